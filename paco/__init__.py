@@ -1,0 +1,1 @@
+"""PaCo-RL pipeline library: data construction, judge, policy, rewards, GRPO, metrics."""

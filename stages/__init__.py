@@ -1,0 +1,1 @@
+"""Thin stage CLIs: ``python -m stages.<name> --params params.yaml ...``."""
