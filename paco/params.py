@@ -174,16 +174,14 @@ class PairsParams(_Section):
     """Ranking instances and Yes/No pairs (paper §3.1)."""
 
     ranking: Literal["ground_truth", "annotations", "auto"] = "ground_truth"
-    annotations: str | None = Field(None, description="ConsistencyRank-format json/jsonl")
+    annotations: str = Field(
+        "data/raw/annotations",
+        description="ConsistencyRank-Bench rankings: a .jsonl/.json file, or a directory with "
+        "consistency_full_rank.jsonl (used when ranking: annotations)",
+    )
     candidates: int = Field(4, ge=2, description="candidates per ranking instance")
     batch_size: int = Field(32, ge=1, description="CLIP batch size for the auto ranking")
     seed: int = 0
-
-    @model_validator(mode="after")
-    def _annotations_given(self) -> PairsParams:
-        if self.ranking == "annotations" and not self.annotations:
-            raise ValueError("ranking: annotations needs pairs.annotations (a file path)")
-        return self
 
 
 # --------------------------------------------------------------------------------------------

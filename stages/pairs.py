@@ -1,0 +1,84 @@
+"""Stage ``pairs``: ranking instances and Yes/No pairs (paper §3.1).
+
+Reads ``panels.parquet`` and ``prompts.parquet`` (for the split by prompt), ranks each
+instance's candidates (``pairs.ranking``: ``ground_truth`` drift levels, ConsistencyRank-Bench
+``annotations``, or ``auto`` CLIP-I with the ``clip`` model), and writes
+``rank_instances.parquet`` and ``pairs.parquet``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from paco import pairs as P
+from paco.io import ArtifactError, decode_image, read_parquet, write_parquet
+from paco.params import Params
+from paco.stage import log, run
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--panels", type=Path, required=True, help="panels.parquet")
+    p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet (split)")
+    p.add_argument("--clip", type=Path, required=True, help="clip model directory (auto ranking)")
+    p.add_argument("--annotations", type=Path, required=True, help="rankings (annotations ranking)")
+    p.add_argument("--instances", type=Path, required=True, help="rank_instances.parquet to write")
+    p.add_argument("--pairs", type=Path, required=True, help="pairs.parquet to write")
+    p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
+
+
+def _ranker(cfg, args: argparse.Namespace, panels) -> P.Ranker:
+    if cfg.ranking == "ground_truth":
+        return P.ground_truth_ranker(panels)
+    if cfg.ranking == "annotations":
+        return P.annotation_ranker(P.annotation_rankings(P.read_annotations(args.annotations), panels))
+    from paco.clip import ClipScorer  # torch + transformers: import only when used
+
+    scorer = ClipScorer.from_pretrained(args.clip)
+    images = [decode_image(c, what=f"panel {pid}") for pid, c in zip(panels["panel_id"], panels["image"])]
+    emb = scorer.image_embeddings(images, batch_size=cfg.batch_size).numpy().astype(np.float64)
+    return P.similarity_ranker(dict(zip(panels["panel_id"], emb, strict=True)))
+
+
+def _body(args: argparse.Namespace, params: Params) -> dict:
+    cfg = params.pairs
+    panels = read_parquet(args.panels, required=["panel_id", "prompt_id", "seed", "index", "image"])
+    prompts = read_parquet(args.prompts, required=["prompt_id", "split"])
+    split_of = dict(zip(prompts["prompt_id"], prompts["split"], strict=True))
+    unknown = sorted(set(panels["prompt_id"]) - split_of.keys())
+    if unknown:
+        raise ArtifactError(f"panels reference prompt_id(s) missing from prompts: {unknown[:5]}")
+    instances = P.build_instances(panels, cfg.candidates)
+    ranked, unannotated = P.rank_instances(instances, _ranker(cfg, args, panels), cfg.ranking, split_of)
+    if unannotated:
+        log.warning("%d of %d instances have no annotation and are not used", unannotated, len(instances))
+    if ranked.empty:
+        raise ArtifactError("no ranked instances: nothing to train or evaluate on")
+    pairs = P.make_pairs(ranked)
+    write_parquet(args.instances, ranked)
+    write_parquet(args.pairs, pairs)
+    log.info("wrote %d instances and %d pairs", len(ranked), len(pairs))
+    per_prompt = ranked.groupby("prompt_id").size()
+    return {
+        "ranking": cfg.ranking,
+        "instances": len(ranked),
+        "unannotated_instances": unannotated,
+        "instances_per_prompt": {"min": int(per_prompt.min()), "max": int(per_prompt.max())},
+        "pairs": len(pairs),
+        "per_split": {
+            split: {"prompts": int(g["prompt_id"].nunique()), "instances": len(g), "pairs": 2 * len(g)}
+            for split, g in ranked.groupby("split")
+        },
+        "yes_fraction": float(pairs["label"].mean()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run("pairs", argv, _args, _body, description=__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

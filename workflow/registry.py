@@ -1,0 +1,194 @@
+"""The one stage registry behind both engines (DESIGN.md §1: one DAG, two engines, no drift).
+
+Each :class:`Stage` names its command, data dependencies, code dependencies, params sections,
+outputs and metrics. :func:`render_dvc` turns the registry into ``dvc.yaml`` (committed; a test
+checks it equals the rendering), and the ``Snakefile`` defines one rule per stage from the same
+objects. Both engines run the identical command line: ``${a.b}`` placeholders are params values,
+interpolated by DVC from ``params.yaml`` and by the Snakefile from its ``configfile``.
+
+Regenerate ``dvc.yaml`` after editing this file::
+
+    python -m workflow.registry > dvc.yaml
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+PARAMS_FILE = "params.yaml"
+MODEL_ROLES = ("judge_base", "policy_t2is", "clip")
+_PLACEHOLDER = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage.
+
+    Attributes:
+        name: DVC stage name and Snakemake rule name.
+        args: ``--flag value`` pairs after ``python -m stages.<module> --params params.yaml``.
+        deps: data inputs (files or directories; may hold ``${...}`` placeholders).
+        code: source files whose change reruns the stage.
+        params: top-level ``params.yaml`` sections the stage reads.
+        outs: output files; ``out_dirs``: output directories.
+        metrics: metrics JSON files (also outputs).
+    """
+
+    name: str
+    args: tuple[tuple[str, str], ...]
+    deps: tuple[str, ...] = ()
+    code: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+    outs: tuple[str, ...] = ()
+    out_dirs: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()
+    module: str = field(default="")
+
+    @property
+    def cmd(self) -> str:
+        module = self.module or self.name
+        parts = [f"python -m stages.{module} --params {PARAMS_FILE}"]
+        parts += [f"{flag} {value}" for flag, value in self.args]
+        return " ".join(parts)
+
+    @property
+    def all_deps(self) -> tuple[str, ...]:
+        return self.deps + self.code
+
+
+def _d(stage: str, name: str) -> str:
+    return f"data/{stage}/{name}"
+
+
+COMMON_CODE = ("paco/params.py", "paco/io.py", "paco/stage.py")
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        name="models",
+        args=(("--out", "data/models"), ("--metrics", _d("models", "metrics.json"))),
+        code=COMMON_CODE + ("stages/models.py", "paco/models"),
+        params=("models",),
+        out_dirs=tuple(f"data/models/{role}" for role in MODEL_ROLES),
+        metrics=(_d("models", "metrics.json"),),
+    ),
+    Stage(
+        name="prompts",
+        args=(
+            ("--jsonl", "${prompts.jsonl}"),
+            ("--out", _d("prompts", "prompts.parquet")),
+            ("--metrics", _d("prompts", "metrics.json")),
+        ),
+        deps=("${prompts.jsonl}",),
+        code=COMMON_CODE + ("stages/prompts.py", "paco/prompts.py"),
+        params=("prompts",),
+        outs=(_d("prompts", "prompts.parquet"),),
+        metrics=(_d("prompts", "metrics.json"),),
+    ),
+    Stage(
+        name="composites",
+        args=(
+            ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--policy", "data/models/policy_t2is"),
+            ("--import-dir", "${composites.import.dir}"),
+            ("--out", _d("composites", "composites.parquet")),
+            ("--metrics", _d("composites", "metrics.json")),
+        ),
+        deps=(_d("prompts", "prompts.parquet"), "data/models/policy_t2is", "${composites.import.dir}"),
+        code=COMMON_CODE + ("stages/composites.py", "paco/composites.py", "paco/photos.py"),
+        params=("composites",),
+        outs=(_d("composites", "composites.parquet"),),
+        metrics=(_d("composites", "metrics.json"),),
+    ),
+    Stage(
+        name="subfigures",
+        args=(
+            ("--composites", _d("composites", "composites.parquet")),
+            ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--out", _d("subfigures", "panels.parquet")),
+            ("--metrics", _d("subfigures", "metrics.json")),
+        ),
+        deps=(_d("composites", "composites.parquet"), _d("prompts", "prompts.parquet")),
+        code=COMMON_CODE + ("stages/subfigures.py", "paco/subfigures.py", "paco/panels.py"),
+        params=("subfigures",),
+        outs=(_d("subfigures", "panels.parquet"),),
+        metrics=(_d("subfigures", "metrics.json"),),
+    ),
+    Stage(
+        name="pairs",
+        args=(
+            ("--panels", _d("subfigures", "panels.parquet")),
+            ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--clip", "data/models/clip"),
+            ("--annotations", "${pairs.annotations}"),
+            ("--instances", _d("pairs", "rank_instances.parquet")),
+            ("--pairs", _d("pairs", "pairs.parquet")),
+            ("--metrics", _d("pairs", "metrics.json")),
+        ),
+        deps=(
+            _d("subfigures", "panels.parquet"),
+            _d("prompts", "prompts.parquet"),
+            "data/models/clip",
+            "${pairs.annotations}",
+        ),
+        code=COMMON_CODE + ("stages/pairs.py", "paco/pairs.py", "paco/clip.py"),
+        params=("pairs",),
+        outs=(_d("pairs", "rank_instances.parquet"), _d("pairs", "pairs.parquet")),
+        metrics=(_d("pairs", "metrics.json"),),
+    ),
+)
+
+
+def by_name(name: str) -> Stage:
+    for stage in STAGES:
+        if stage.name == name:
+            return stage
+    raise KeyError(f"no stage {name!r}; stages: {[s.name for s in STAGES]}")
+
+
+def interpolate(text: str, config: Mapping[str, Any]) -> str:
+    """Replace ``${a.b.c}`` with ``config["a"]["b"]["c"]`` (what DVC does with params.yaml).
+
+    Raises:
+        KeyError: a placeholder names a key that is not in ``config``.
+    """
+
+    def value(match: re.Match[str]) -> str:
+        node: Any = config
+        for key in match[1].split("."):
+            if not isinstance(node, Mapping) or key not in node:
+                raise KeyError(f"{match[0]}: {key!r} not in params")
+            node = node[key]
+        return str(node)
+
+    return _PLACEHOLDER.sub(value, text)
+
+
+def render_dvc() -> dict[str, Any]:
+    """The ``dvc.yaml`` document for the registry."""
+    stages: dict[str, Any] = {}
+    for s in STAGES:
+        entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.all_deps), "params": list(s.params)}
+        entry["outs"] = list(s.out_dirs) + list(s.outs)
+        if s.metrics:
+            entry["metrics"] = list(s.metrics)
+        stages[s.name] = entry
+    return {"stages": stages}
+
+
+def dump_dvc() -> str:
+    header = "# Generated by `python -m workflow.registry` from workflow/registry.py: do not edit.\n"
+    return header + yaml.safe_dump(render_dvc(), sort_keys=False, width=100)
+
+
+def main() -> None:
+    sys.stdout.write(dump_dvc())
+
+
+if __name__ == "__main__":
+    main()
