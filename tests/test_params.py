@@ -64,3 +64,11 @@ def test_params_are_immutable():
     params = Params()
     with pytest.raises(Exception):
         params.prompts.seed = 3  # frozen: stages cannot mutate shared config
+
+
+def test_paper_preset_validates_and_mirrors_the_default_sections():
+    paper = yaml.safe_load((ROOT / "workflow/presets/paper.yaml").read_text())
+    validate_params(paper, source="paper.yaml")
+    assert set(paper) == set(committed())
+    assert paper["models"]["judge_base"] == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert paper["composites"]["generate"]["height"] == 1024
