@@ -1,0 +1,615 @@
+"""Text-to-ImageSet (T2IS) prompt sets: parse the jsonl format, split panels, split by prompt.
+
+File format (T2IS-Bench, as redistributed with grid prompts by PaCo-RL)
+-----------------------------------------------------------------------
+One JSON object per line (blank lines are ignored). Keys:
+
+==================  ========  ================================================================
+key                 required  type and meaning
+==================  ========  ================================================================
+``idx``             yes       int or str. The prompt's id: an int (or an all-digit string such
+                              as ``"0007"``, as in the released files) gives ``t2is-0007``;
+                              any other string is sanitised (lower case, runs of characters
+                              outside ``[a-z0-9._-]`` become ``-``) and prefixed ``t2is-``.
+``prompt``          yes       str. The grid prompt: a global description, then one
+                              ``<panel tag>: <panel prompt>`` per panel (see below).
+``height``          yes       int > 0, pixels of the whole grid image.
+``width``           yes       int > 0, pixels of the whole grid image.
+``layout``          yes       str ``"<ROWS>x<COLS>"`` (also ``X``, ``×``, ``⨉``), at least 2
+                              panels. ROWS first: ``"1x3"`` is one row of three panels.
+``theme``           yes       str. The user instruction the set was written from.
+``category``        yes       str, one of the five T2IS-Bench categories (see
+                              :data:`T2IS_CATEGORIES`; other strings are accepted).
+``task_name``       yes       str, the T2IS-Bench sub-category (``"Multi-view"``, ...).
+``criteria``        yes       object ``{dimension: {criterion name: text}}``; T2IS-Eval's
+                              dimensions are ``Identity``, ``Style`` and ``Logic``. Other
+                              dimension names (the released data has a few ``Surroundings``)
+                              are kept. Stored as a JSON string with sorted keys.
+``editing_prompts`` no        list of rows*cols str: the first describes panel 1, each next
+                              one edits the previous panel into the next (the editing
+                              subtasks' input, PaCo-RL §7).
+``subject``         no        str. Our extension: the photo subject name the ``photos``
+                              composite source builds this prompt's grids from.
+``split``           no        ``"train"`` or ``"test"``. Absent: the pipeline assigns one
+                              with :func:`assign_split`.
+==================  ========  ================================================================
+
+Other keys (``from``, ``original_idx``, ...) are ignored.
+
+Conventions checked against the public data (PaCo-RL's ``dataset/T2IS/*/*_metadata.jsonl``,
+the T2IS-Bench dataset card, and PaCo-RL's ``paco_grpo/utils.py``): ``layout`` is ROWS x COLS
+(``divide_image`` crops ``rows = a`` horizontal bands of height ``H // a`` for ``"axb"``; a
+``"1x3"`` row is 512 high and 1536 wide, a ``"2x3"`` one 1024 x 1536); panels are numbered
+row-major; ``idx`` is a zero-padded string; the grid prompt opens with ``"FOUR-PANEL Images
+with a 2x2 grid layout ..."``. Categories are ``Character Generation``, ``Design Style
+Generation``, ``Story Generation``, ``Process Generation`` and ``Instruction Generation``.
+
+Panel tags
+----------
+A tag is one or two bracketed position words followed by ``:``, or ``PANEL-<k>:``.
+Matching ignores case and whitespace (``[ top ] - [ Left ] :`` is ``[TOP]-[LEFT]:``).
+
+* two rows or columns: ``TOP``/``BOTTOM``, ``LEFT``/``RIGHT`` -> ``[TOP]-[LEFT]:`` (2x2)
+* three: ``TOP``/``MIDDLE``/``BOTTOM``, ``LEFT``/``MIDDLE``/``RIGHT`` -> ``[LEFT]:``,
+  ``[MIDDLE]:``, ``[RIGHT]:`` (1x3), ``[TOP]:``, ``[MIDDLE]:``, ``[BOTTOM]:`` (3x1),
+  ``[BOTTOM]-[MIDDLE]:`` (2x3)
+* four: ``LEFT``, ``MIDDLE-LEFT``, ``MIDDLE-RIGHT``, ``RIGHT`` (rows: ``TOP``,
+  ``MIDDLE-TOP``, ``MIDDLE-BOTTOM``, ``BOTTOM``) -> ``[TOP]-[MIDDLE-LEFT]:`` (2x4)
+* five: ``LEFT``, ``MIDDLE-LEFT``, ``MIDDLE``, ``MIDDLE-RIGHT``, ``RIGHT`` (rows alike)
+* any layout: ``PANEL-<k>:`` (also ``PANEL <k>:``, ``[PANEL-<k>]:``), k = 1 .. rows*cols in
+  row-major order; the released 1x5 prompts use it.
+
+An axis of size 1 is left out of the tag (``[LEFT]:`` in 1x3). ``CENTER``/``CENTRE`` mean
+``MIDDLE``; a single bracket may hold both words (``[TOP-LEFT]:``); the row word comes first
+but ``[LEFT]-[TOP]:`` is read too. Bracketed text made of other words (``[sic]:``) is prose.
+Panel prompts are returned in row-major order of their tags' positions, not in text order.
+
+Errors
+------
+:class:`PromptFormatError` (an :class:`~paco.io.ArtifactError`, so a ``ValueError``) with the
+file, 1-based line number and reason, for: invalid JSON or a non-object line, a missing key, a
+wrong type or empty required string, a bad layout, a panel tag that does not fit the layout,
+a duplicate panel position, a panel count other than rows*cols, an empty panel prompt, a
+``"<r>x<c> grid"`` in the prompt text that contradicts ``layout``, a non-positive height or
+width, an unknown split, an ``editing_prompts`` list of the wrong length, and a duplicate
+``prompt_id``. With ``strict=False`` such rows are skipped and listed instead (see
+:func:`read_t2is_jsonl_with_report`); nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from paco.io import ArtifactError
+
+__all__ = [
+    "PROMPT_COLUMNS",
+    "PHOTO_SUBJECTS",
+    "SPLITS",
+    "T2IS_CATEGORIES",
+    "PromptFormatError",
+    "assign_split",
+    "parse_layout",
+    "parse_panel_prompts",
+    "parse_record",
+    "prompt_id_from_idx",
+    "read_t2is_jsonl",
+    "read_t2is_jsonl_with_report",
+]
+
+#: Columns of the table :func:`read_t2is_jsonl` returns (``prompts.parquet``, DESIGN.md §2).
+PROMPT_COLUMNS = [
+    "prompt_id", "split", "prompt", "global_prompt", "theme", "rows", "cols", "panel_prompts",
+    "height", "width", "category", "task_name", "criteria", "subject", "editing_prompts",
+]
+
+#: The five T2IS-Bench categories, spelled as in the released data and dataset card.
+T2IS_CATEGORIES = (
+    "Character Generation",
+    "Design Style Generation",
+    "Story Generation",
+    "Process Generation",
+    "Instruction Generation",
+)
+
+#: Photo subject names a prompt's ``subject`` may take in the shipped prompt set
+#: (``data/raw/t2is_prompts.jsonl``): the real photographs the ``photos`` composite source uses.
+PHOTO_SUBJECTS = (
+    "astronaut", "cat", "coffee", "rocket", "grace_hopper", "motorcycle", "galaxies", "tissue",
+    "cameraman", "horse", "coins", "clock", "moon", "brick", "grass", "gravel",
+)
+
+SPLITS = ("train", "test")
+
+_REQUIRED = ("idx", "prompt", "height", "width", "layout", "theme", "category", "task_name",
+             "criteria")
+
+
+class PromptFormatError(ArtifactError):
+    """A malformed prompt row (or layout string): says where (file, 1-based line) and why."""
+
+    def __init__(self, reason: str, *, line: int | None = None, path: str | None = None):
+        self.reason = reason
+        self.line = line
+        self.path = path
+        where = [str(path)] if path is not None else []
+        if line is not None:
+            where.append(f"line {line}")
+        super().__init__(f"{', '.join(where)}: {reason}" if where else reason)
+
+
+# --------------------------------------------------------------------------------------------
+# layout and panel tags
+# --------------------------------------------------------------------------------------------
+
+_LAYOUT_RE = re.compile(r"^\s*(\d+)\s*[xX×⨉]\s*(\d+)\s*$")
+_GRID_IN_TEXT_RE = re.compile(r"\b(\d+)\s*[xX×⨉]\s*(\d+)\s+grid\b", re.IGNORECASE)
+
+
+def parse_layout(s: str) -> tuple[int, int]:
+    """Parse ``"<ROWS>x<COLS>"`` into ``(rows, cols)``.
+
+    ``x`` may also be ``X``, ``×`` or ``⨉``, with spaces around. Rows come first, as in
+    T2IS-Bench: ``"1x3"`` is one row of three panels (a 512 x 1536 image).
+
+    Raises:
+        PromptFormatError: not a string, not of that form, a zero, or a single panel.
+    """
+    if not isinstance(s, str):
+        raise PromptFormatError(f"layout must be a string like '2x2', got {type(s).__name__}")
+    m = _LAYOUT_RE.match(s)
+    if not m:
+        raise PromptFormatError(f"bad layout {s!r}: expected '<rows>x<cols>' such as '2x2'")
+    rows, cols = int(m.group(1)), int(m.group(2))
+    if rows < 1 or cols < 1:
+        raise PromptFormatError(f"bad layout {s!r}: rows and cols must be >= 1")
+    if rows * cols < 2:
+        raise PromptFormatError(f"bad layout {s!r}: an image set needs at least 2 panels")
+    return rows, cols
+
+
+_POSITION_TOKENS = frozenset({"TOP", "BOTTOM", "LEFT", "RIGHT", "MIDDLE", "CENTER", "CENTRE"})
+
+_ROW_WORDS = {
+    2: ("TOP", "BOTTOM"),
+    3: ("TOP", "MIDDLE", "BOTTOM"),
+    4: ("TOP", "MIDDLE-TOP", "MIDDLE-BOTTOM", "BOTTOM"),
+    5: ("TOP", "MIDDLE-TOP", "MIDDLE", "MIDDLE-BOTTOM", "BOTTOM"),
+}
+_COL_WORDS = {
+    2: ("LEFT", "RIGHT"),
+    3: ("LEFT", "MIDDLE", "RIGHT"),
+    4: ("LEFT", "MIDDLE-LEFT", "MIDDLE-RIGHT", "RIGHT"),
+    5: ("LEFT", "MIDDLE-LEFT", "MIDDLE", "MIDDLE-RIGHT", "RIGHT"),
+}
+
+_BRACKET = r"\[\s*[A-Za-z0-9]+(?:[\s\-]+[A-Za-z0-9]+)*\s*\]"
+_TAG_RE = re.compile(
+    rf"(?P<br>{_BRACKET}(?:\s*-?\s*{_BRACKET})?)\s*:"
+    r"|(?P<panel>\bPANEL[\s_\-#]*(?P<num>\d+))\s*:",
+    re.IGNORECASE,
+)
+_PANEL_WORD_RE = re.compile(r"^PANEL-?(\d+)$")
+
+
+def _norm_word(text: str) -> str:
+    """``' middle  left '`` -> ``'MIDDLE-LEFT'``; CENTER/CENTRE -> MIDDLE."""
+    tokens = [t for t in re.split(r"[\s\-]+", text.strip().upper()) if t]
+    return "-".join("MIDDLE" if t in ("CENTER", "CENTRE") else t for t in tokens)
+
+
+def _axis_index(word: str, n: int, words: Mapping[int, tuple[str, ...]]) -> int | None:
+    names = words.get(n)
+    if names is None or word not in names:
+        return None
+    return names.index(word)
+
+
+def _split_compound(word: str, rows: int, cols: int) -> tuple[int, int] | None:
+    """``'TOP-MIDDLE-LEFT'`` -> (row, col) by trying each hyphen split, row word first."""
+    parts = word.split("-")
+    for k in range(1, len(parts)):
+        a, b = "-".join(parts[:k]), "-".join(parts[k:])
+        r, c = _axis_index(a, rows, _ROW_WORDS), _axis_index(b, cols, _COL_WORDS)
+        if r is not None and c is not None:
+            return r, c
+    for k in range(1, len(parts)):
+        a, b = "-".join(parts[:k]), "-".join(parts[k:])
+        c, r = _axis_index(a, cols, _COL_WORDS), _axis_index(b, rows, _ROW_WORDS)
+        if r is not None and c is not None:
+            return r, c
+    return None
+
+
+def _tag_position(groups: list[str], rows: int, cols: int) -> tuple[int, int] | None:
+    """Position of a bracketed tag, or None when it does not fit the layout."""
+    if len(groups) == 1:
+        word = groups[0]
+        m = _PANEL_WORD_RE.match(word)
+        if m:
+            return _panel_number_position(int(m.group(1)), rows, cols)
+        if rows == 1:
+            c = _axis_index(word, cols, _COL_WORDS)
+            return None if c is None else (0, c)
+        if cols == 1:
+            r = _axis_index(word, rows, _ROW_WORDS)
+            return None if r is None else (r, 0)
+        return _split_compound(word, rows, cols)
+    a, b = groups
+    if rows == 1 or cols == 1:
+        return None
+    r, c = _axis_index(a, rows, _ROW_WORDS), _axis_index(b, cols, _COL_WORDS)
+    if r is not None and c is not None:
+        return r, c
+    c, r = _axis_index(a, cols, _COL_WORDS), _axis_index(b, rows, _ROW_WORDS)
+    if r is not None and c is not None:
+        return r, c
+    return None
+
+
+def _panel_number_position(k: int, rows: int, cols: int) -> tuple[int, int] | None:
+    if not 1 <= k <= rows * cols:
+        return None
+    return divmod(k - 1, cols)
+
+
+def _is_tag_candidate(groups: list[str]) -> bool:
+    """Bracketed text is a tag only if made of position words (or PANEL-k)."""
+    for g in groups:
+        if _PANEL_WORD_RE.match(g):
+            continue
+        if not g or any(t not in _POSITION_TOKENS for t in g.split("-")):
+            return False
+    return True
+
+
+def parse_panel_prompts(prompt: str, rows: int, cols: int) -> tuple[str, list[str]]:
+    """Split a grid prompt into its global description and rows*cols panel prompts.
+
+    The global description is the text before the first panel tag; each panel prompt is the
+    text after its tag up to the next tag, both stripped of surrounding whitespace. Panel
+    prompts come back in row-major order of their tags' (row, col) positions, whatever order
+    the tags appear in. Tag families and tolerance: see the module docstring.
+
+    Raises:
+        PromptFormatError: a tag that does not fit the layout, two tags for one position, a
+            number of tags other than rows*cols, or an empty panel prompt.
+    """
+    if not isinstance(prompt, str):
+        raise PromptFormatError(f"prompt must be a string, got {type(prompt).__name__}")
+    tags: list[tuple[int, int, tuple[int, int], str]] = []  # (start, end, position, tag text)
+    for m in _TAG_RE.finditer(prompt):
+        text = re.sub(r"\s+", " ", m.group(0)).strip()
+        if m.group("panel") is not None:
+            pos = _panel_number_position(int(m.group("num")), rows, cols)
+        else:
+            groups = [_norm_word(g) for g in re.findall(r"\[([^\]]*)\]", m.group("br"))]
+            if not _is_tag_candidate(groups):
+                continue  # bracketed prose such as "[sic]:"
+            pos = _tag_position(groups, rows, cols)
+        if pos is None:
+            raise PromptFormatError(f"panel tag {text!r} does not fit layout {rows}x{cols}")
+        tags.append((m.start(), m.end(), pos, text))
+
+    seen: dict[tuple[int, int], str] = {}
+    for _, _, pos, text in tags:
+        if pos in seen:
+            raise PromptFormatError(
+                f"duplicate panel position row {pos[0] + 1}, col {pos[1] + 1}: "
+                f"tags {seen[pos]!r} and {text!r}"
+            )
+        seen[pos] = text
+
+    need = rows * cols
+    if len(tags) != need:
+        raise PromptFormatError(
+            f"found {len(tags)} panel tag(s), layout {rows}x{cols} needs {need}"
+        )
+    global_prompt = prompt[: tags[0][0]].strip()
+    by_pos: dict[tuple[int, int], str] = {}
+    for i, (_, end, pos, text) in enumerate(tags):
+        stop = tags[i + 1][0] if i + 1 < len(tags) else len(prompt)
+        body = prompt[end:stop].strip()
+        if not body:
+            raise PromptFormatError(f"empty panel prompt after tag {text!r}")
+        by_pos[pos] = body
+    return global_prompt, [by_pos[(r, c)] for r in range(rows) for c in range(cols)]
+
+
+# --------------------------------------------------------------------------------------------
+# rows
+# --------------------------------------------------------------------------------------------
+
+
+def prompt_id_from_idx(idx: Any) -> str:
+    """Stable prompt id: ``7`` and ``"0007"`` -> ``t2is-0007``; ``"A b"`` -> ``t2is-a-b``.
+
+    Raises:
+        PromptFormatError: idx is not an int or string, negative, or sanitises to nothing.
+    """
+    if isinstance(idx, bool) or not isinstance(idx, (int, str)):
+        raise PromptFormatError(f"idx must be an int or a string, got {type(idx).__name__}")
+    if isinstance(idx, str) and idx.strip().isdigit() and idx.strip().isascii():
+        idx = int(idx.strip())
+    if isinstance(idx, int):
+        if idx < 0:
+            raise PromptFormatError(f"idx must be >= 0, got {idx}")
+        return f"t2is-{idx:04d}"
+    clean = re.sub(r"[^a-z0-9._-]+", "-", idx.strip().lower()).strip("-._")
+    if not clean:
+        raise PromptFormatError(f"idx {idx!r} gives an empty prompt id")
+    return f"t2is-{clean}"
+
+
+def _str_field(rec: Mapping[str, Any], key: str, *, allow_empty: bool = False) -> str:
+    v = rec[key]
+    if not isinstance(v, str):
+        raise PromptFormatError(f"{key!r} must be a string, got {type(v).__name__}")
+    if not allow_empty and not v.strip():
+        raise PromptFormatError(f"{key!r} is empty")
+    return v
+
+
+def _size_field(rec: Mapping[str, Any], key: str) -> int:
+    v = rec[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PromptFormatError(f"{key!r} must be an integer, got {type(v).__name__} {v!r}")
+    if v <= 0:
+        raise PromptFormatError(f"{key!r} must be positive, got {v}")
+    return v
+
+
+def _criteria_field(rec: Mapping[str, Any]) -> str:
+    crit = rec["criteria"]
+    if not isinstance(crit, dict) or not crit:
+        raise PromptFormatError("'criteria' must be a non-empty object {dimension: {name: text}}")
+    for dim, items in crit.items():
+        if not isinstance(items, dict) or not items:
+            raise PromptFormatError(f"criteria[{dim!r}] must be a non-empty object {{name: text}}")
+        for name, text in items.items():
+            if not isinstance(text, str) or not name.strip():
+                raise PromptFormatError(f"criteria[{dim!r}][{name!r}] must be a string")
+    return json.dumps(crit, sort_keys=True, ensure_ascii=False)
+
+
+def parse_record(rec: Any) -> dict[str, Any]:
+    """Validate one decoded jsonl object and return its ``prompts.parquet`` row.
+
+    Raises:
+        PromptFormatError: any of the failures listed in the module docstring (no line number;
+            the readers add it).
+    """
+    if not isinstance(rec, dict):
+        raise PromptFormatError(f"a row must be a JSON object, got {type(rec).__name__}")
+    missing = [k for k in _REQUIRED if k not in rec]
+    if missing:
+        raise PromptFormatError(f"missing key(s): {', '.join(missing)}")
+
+    prompt_id = prompt_id_from_idx(rec["idx"])
+    prompt = _str_field(rec, "prompt")
+    theme = _str_field(rec, "theme", allow_empty=True)
+    category = _str_field(rec, "category")
+    task_name = _str_field(rec, "task_name")
+    height = _size_field(rec, "height")
+    width = _size_field(rec, "width")
+    rows, cols = parse_layout(rec["layout"])
+    criteria = _criteria_field(rec)
+
+    for m in _GRID_IN_TEXT_RE.finditer(prompt):
+        said = (int(m.group(1)), int(m.group(2)))
+        if said != (rows, cols):
+            raise PromptFormatError(
+                f"prompt says '{m.group(0)}' but layout is {rows}x{cols}"
+            )
+    global_prompt, panels = parse_panel_prompts(prompt, rows, cols)
+
+    subject = rec.get("subject")
+    if subject is not None:
+        subject = _str_field(rec, "subject")
+
+    split = rec.get("split")
+    if split is not None and split not in SPLITS:
+        raise PromptFormatError(f"unknown split {split!r}: expected one of {list(SPLITS)}")
+
+    editing = rec.get("editing_prompts")
+    if editing is not None:
+        if not isinstance(editing, list) or not all(
+            isinstance(e, str) and e.strip() for e in editing
+        ):
+            raise PromptFormatError("'editing_prompts' must be a list of non-empty strings")
+        if len(editing) != rows * cols:
+            raise PromptFormatError(
+                f"'editing_prompts' has {len(editing)} entries, layout {rows}x{cols} needs "
+                f"{rows * cols} (one per panel)"
+            )
+        editing = list(editing)
+
+    return {
+        "prompt_id": prompt_id,
+        "split": split,
+        "prompt": prompt,
+        "global_prompt": global_prompt,
+        "theme": theme,
+        "rows": rows,
+        "cols": cols,
+        "panel_prompts": panels,
+        "height": height,
+        "width": width,
+        "category": category,
+        "task_name": task_name,
+        "criteria": criteria,
+        "subject": subject,
+        "editing_prompts": editing,
+    }
+
+
+def _to_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    cols: dict[str, Any] = {}
+    for name in PROMPT_COLUMNS:
+        values = [r[name] for r in records]
+        if name in ("rows", "cols", "height", "width"):
+            cols[name] = pd.Series(values, dtype="int64")
+        else:
+            # object dtype keeps None as None (not NaN) and lists as lists
+            cols[name] = pd.Series(values, dtype=object)
+    return pd.DataFrame(cols, columns=PROMPT_COLUMNS)
+
+
+def read_t2is_jsonl_with_report(
+    path: str | Path, strict: bool = True
+) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+    """Read a T2IS-format jsonl into a ``prompts.parquet`` table, plus the skipped-row report.
+
+    Returns:
+        ``(df, skipped)``: ``df`` has :data:`PROMPT_COLUMNS` (one row per valid line, in file
+        order; ``rows``, ``cols``, ``height``, ``width`` int64; the rest object columns whose
+        missing ``split``/``subject``/``editing_prompts`` are ``None``). ``skipped`` lists
+        ``{"line": n, "reason": str}`` for each malformed row, 1-based; always empty when
+        ``strict``. A row whose ``prompt_id`` repeats an earlier one is skipped (or raises)
+        and the first one kept.
+
+    Raises:
+        PromptFormatError: (``strict=True``) the first malformed row, with its line number.
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    records: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    first_line: dict[str, int] = {}
+    with path.open("r", encoding="utf-8") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                try:
+                    rec = json.loads(raw)
+                except json.JSONDecodeError as e:
+                    raise PromptFormatError(f"invalid JSON: {e.msg} (column {e.colno})") from None
+                row = parse_record(rec)
+                pid = row["prompt_id"]
+                if pid in first_line:
+                    raise PromptFormatError(
+                        f"duplicate prompt_id {pid!r} (first on line {first_line[pid]})"
+                    )
+            except PromptFormatError as e:
+                if strict:
+                    raise PromptFormatError(e.reason, line=lineno, path=str(path)) from None
+                skipped.append({"line": lineno, "reason": e.reason})
+                continue
+            first_line[pid] = lineno
+            records.append(row)
+    return _to_frame(records), skipped
+
+
+def read_t2is_jsonl(path: str | Path, strict: bool = True) -> pd.DataFrame:
+    """Read a T2IS-format jsonl into a ``prompts.parquet`` table (:data:`PROMPT_COLUMNS`).
+
+    The skipped-row report lives in :func:`read_t2is_jsonl_with_report`; with
+    ``strict=False`` this function also issues one ``UserWarning`` naming every skipped line,
+    so no row disappears without notice.
+
+    Raises:
+        PromptFormatError: (``strict=True``) the first malformed row, with its line number.
+    """
+    df, skipped = read_t2is_jsonl_with_report(path, strict=strict)
+    if skipped:
+        detail = "; ".join(f"line {s['line']}: {s['reason']}" for s in skipped)
+        warnings.warn(f"{path}: skipped {len(skipped)} malformed row(s): {detail}", stacklevel=2)
+    return df
+
+
+# --------------------------------------------------------------------------------------------
+# split
+# --------------------------------------------------------------------------------------------
+
+
+def _key(seed: int, text: str) -> bytes:
+    return hashlib.sha256(f"{seed}\x1f{text}".encode()).digest()
+
+
+def _n_test(n: int, test_fraction: float) -> int:
+    if n < 2 or test_fraction <= 0:
+        return 0
+    return min(n - 1, max(1, round(test_fraction * n)))
+
+
+def assign_split(
+    prompt_ids: Iterable[str],
+    test_fraction: float,
+    seed: int,
+    *,
+    categories: Mapping[str, str] | Sequence[str] | None = None,
+) -> dict[str, str]:
+    """Deterministic train/test split by prompt.
+
+    Each prompt gets the key ``sha256(f"{seed}\\x1f{prompt_id}")``; the prompts with the
+    smallest keys go to test. The result therefore depends only on the set of ids, the
+    fraction and the seed: never on row order, Python's ``hash`` or the process.
+
+    The test size is ``round(test_fraction * n)`` (Python's ``round``, half to even), raised
+    to 1 when ``test_fraction > 0`` and ``n >= 2``, and capped at ``n - 1`` so train is never
+    empty; with ``n < 2`` or ``test_fraction == 0`` everything is train.
+
+    With ``categories`` (a mapping id -> category, or a sequence aligned with ``prompt_ids``)
+    the split is stratified: each category gets ``floor(test_fraction * n_c)`` test prompts,
+    and the few left to reach the total go to the categories with the largest remainders,
+    preferring categories that keep at least one train prompt (ties by a seeded hash of the
+    category name). Within a category the smallest keys go to test.
+
+    Raises:
+        ValueError: duplicate ids, a fraction outside [0, 1), or categories missing an id.
+    """
+    ids = list(prompt_ids)
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(f"duplicate prompt ids: {dup[:5]}")
+    if not (0.0 <= test_fraction < 1.0) or math.isnan(test_fraction):
+        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
+    n = len(ids)
+    total = _n_test(n, test_fraction)
+    order = sorted(ids, key=lambda i: (_key(seed, i), i))
+    if categories is None or total == 0:
+        test = set(order[:total])
+        return {i: ("test" if i in test else "train") for i in ids}
+
+    if isinstance(categories, Mapping):
+        missing = [i for i in ids if i not in categories]
+        if missing:
+            raise ValueError(f"categories lack prompt ids: {missing[:5]}")
+        cat_of = {i: str(categories[i]) for i in ids}
+    else:
+        cats = list(categories)
+        if len(cats) != n:
+            raise ValueError(f"categories has {len(cats)} entries for {n} prompt ids")
+        cat_of = {i: str(c) for i, c in zip(ids, cats, strict=True)}
+
+    members: dict[str, list[str]] = {}
+    for i in order:  # key order within each category
+        members.setdefault(cat_of[i], []).append(i)
+    quota = {c: math.floor(test_fraction * len(m)) for c, m in members.items()}
+    left = total - sum(quota.values())
+    ranked = sorted(
+        members,
+        key=lambda c: (
+            quota[c] + 1 >= len(members[c]),  # False first: keeps a train prompt
+            -(test_fraction * len(members[c]) - quota[c]),  # largest remainder
+            _key(seed, "category:" + c),
+        ),
+    )
+    for c in ranked:
+        if left <= 0:
+            break
+        if quota[c] < len(members[c]):
+            quota[c] += 1
+            left -= 1
+    test = {i for c, m in members.items() for i in m[: quota[c]]}
+    return {i: ("test" if i in test else "train") for i in ids}

@@ -1,0 +1,488 @@
+"""paco.prompts: T2IS jsonl parsing, panel tags, malformed rows, the split, the shipped set."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from paco import prompts as P
+from paco.io import read_parquet, write_parquet
+from paco.prompts import PromptFormatError
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "data" / "raw" / "t2is_prompts.jsonl"
+
+TAGS_2X2 = ["[TOP]-[LEFT]", "[TOP]-[RIGHT]", "[BOTTOM]-[LEFT]", "[BOTTOM]-[RIGHT]"]
+TAGS_2X3 = ["[TOP]-[LEFT]", "[TOP]-[MIDDLE]", "[TOP]-[RIGHT]",
+            "[BOTTOM]-[LEFT]", "[BOTTOM]-[MIDDLE]", "[BOTTOM]-[RIGHT]"]
+
+
+def grid(tags: list[str], head: str = "FOUR-PANEL Images of a cat.") -> str:
+    """A grid prompt whose k-th tag (in the given list order) carries text 'p<k>'."""
+    return head + " " + " ".join(f"{t}:p{k} text." for k, t in enumerate(tags))
+
+
+_DROP = object()  # record(key=_DROP) leaves the key out
+
+
+def record(**over) -> dict:
+    rec = {
+        "idx": 1,
+        "prompt": grid(TAGS_2X2, "FOUR-PANEL Images with a 2x2 grid layout of a tabby cat."),
+        "height": 1024,
+        "width": 1024,
+        "layout": "2x2",
+        "theme": "Four pictures of a cat.",
+        "category": "Character Generation",
+        "task_name": "Multi-pose",
+        "criteria": {"Style": {"b": "style text"}, "Identity": {"a": "identity text"},
+                     "Logic": {"c": "logic text"}},
+    }
+    rec.update(over)
+    return {k: v for k, v in rec.items() if v is not _DROP}
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# layout
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "s, expected",
+    [("2x2", (2, 2)), ("1x3", (1, 3)), ("3x1", (3, 1)), ("2x3", (2, 3)), (" 2 X 4 ", (2, 4)),
+     ("1×5", (1, 5)), ("3⨉3", (3, 3))],
+)
+def test_parse_layout_is_rows_by_cols(s, expected):
+    assert P.parse_layout(s) == expected
+
+
+@pytest.mark.parametrize("s", ["2x", "x2", "2*2", "0x3", "2x0", "1x1", "two by two", "", 4, None])
+def test_parse_layout_rejects(s):
+    with pytest.raises(PromptFormatError):
+        P.parse_layout(s)
+
+
+# --------------------------------------------------------------------------------------------
+# panel tags
+# --------------------------------------------------------------------------------------------
+
+FAMILIES = {
+    "2x2": (2, 2, TAGS_2X2),
+    "1x3": (1, 3, ["[LEFT]", "[MIDDLE]", "[RIGHT]"]),
+    "3x1": (3, 1, ["[TOP]", "[MIDDLE]", "[BOTTOM]"]),
+    "2x3": (2, 3, TAGS_2X3),
+    "2x4": (2, 4, ["[TOP]-[LEFT]", "[TOP]-[MIDDLE-LEFT]", "[TOP]-[MIDDLE-RIGHT]", "[TOP]-[RIGHT]",
+                   "[BOTTOM]-[LEFT]", "[BOTTOM]-[MIDDLE-LEFT]", "[BOTTOM]-[MIDDLE-RIGHT]",
+                   "[BOTTOM]-[RIGHT]"]),
+    "1x4": (1, 4, ["[LEFT]", "[MIDDLE-LEFT]", "[MIDDLE-RIGHT]", "[RIGHT]"]),
+    "3x2": (3, 2, ["[TOP]-[LEFT]", "[TOP]-[RIGHT]", "[MIDDLE]-[LEFT]", "[MIDDLE]-[RIGHT]",
+                   "[BOTTOM]-[LEFT]", "[BOTTOM]-[RIGHT]"]),
+    "3x3": (3, 3, [f"[{r}]-[{c}]" for r in ("TOP", "MIDDLE", "BOTTOM")
+                   for c in ("LEFT", "MIDDLE", "RIGHT")]),
+    "1x5 PANEL-k": (1, 5, [f"PANEL-{k}" for k in range(1, 6)]),
+    "2x2 PANEL-k": (2, 2, [f"PANEL-{k}" for k in range(1, 5)]),
+    "2x2 single bracket": (2, 2, ["[TOP-LEFT]", "[TOP-RIGHT]", "[BOTTOM-LEFT]", "[BOTTOM-RIGHT]"]),
+    "1x3 CENTER": (1, 3, ["[LEFT]", "[CENTER]", "[RIGHT]"]),
+    "2x4 single bracket": (2, 4, ["[TOP-LEFT]", "[TOP-MIDDLE-LEFT]", "[TOP-MIDDLE-RIGHT]",
+                                  "[TOP-RIGHT]", "[BOTTOM-LEFT]", "[BOTTOM-MIDDLE-LEFT]",
+                                  "[BOTTOM-MIDDLE-RIGHT]", "[BOTTOM-RIGHT]"]),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_tag_family_in_row_major_order(name):
+    rows, cols, tags = FAMILIES[name]
+    head = "Images of a cat. All share one style."
+    g, panels = P.parse_panel_prompts(grid(tags, head), rows, cols)
+    assert g == head
+    assert panels == [f"p{k} text." for k in range(rows * cols)]
+
+
+@pytest.mark.parametrize("name", ["2x2", "2x3", "3x1", "2x4", "1x5 PANEL-k", "2x2 single bracket"])
+def test_tag_order_does_not_matter(name):
+    rows, cols, tags = FAMILIES[name]
+    rng = random.Random(0)
+    perms = (list(itertools.permutations(range(len(tags)))) if len(tags) <= 4
+             else [rng.sample(range(len(tags)), len(tags)) for _ in range(20)])
+    for perm in perms:
+        shuffled = [tags[i] for i in perm]
+        text = "Head. " + " ".join(f"{tags[i]}:panel {i}" for i in perm)
+        g, panels = P.parse_panel_prompts(text, rows, cols)
+        assert g == "Head."
+        assert panels == [f"panel {i}" for i in range(len(tags))], shuffled
+
+
+def test_whitespace_and_case_tolerance():
+    text = ("Global  text.\n[ top ] - [ Left ] : one \n[Top]-[RIGHT]:two\t"
+            "[bottom]  [left]:three [BOTTOM]-[right]  :  four")
+    g, panels = P.parse_panel_prompts(text, 2, 2)
+    assert g == "Global  text."
+    assert panels == ["one", "two", "three", "four"]
+    g, panels = P.parse_panel_prompts("x [ middle   left ]: b [left]: a [Middle-Right]: c "
+                                      "[RIGHT]: d", 1, 4)
+    assert panels == ["a", "b", "c", "d"]
+    g, panels = P.parse_panel_prompts("x panel 2: b Panel-1: a [panel-3]: c", 1, 3)
+    assert panels == ["a", "b", "c"]
+
+
+def test_reversed_words_and_multiline_panels():
+    text = "G. [LEFT]-[TOP]: a\nstill a. [RIGHT]-[TOP]: b [LEFT]-[BOTTOM]: c [RIGHT]-[BOTTOM]: d"
+    g, panels = P.parse_panel_prompts(text, 2, 2)
+    assert panels == ["a\nstill a.", "b", "c", "d"]
+
+
+def test_bracketed_prose_is_not_a_tag():
+    text = "A sign reads [OPEN]: welcome. [sic]: x [LEFT]: a [MIDDLE]: b [RIGHT]: c"
+    g, panels = P.parse_panel_prompts(text, 1, 3)
+    assert g == "A sign reads [OPEN]: welcome. [sic]: x"
+    assert panels == ["a", "b", "c"]
+
+
+def test_no_global_text_is_empty_string():
+    assert P.parse_panel_prompts("[TOP]: a [BOTTOM]: b", 2, 1) == ("", ["a", "b"])
+
+
+@pytest.mark.parametrize(
+    "text, rows, cols, match",
+    [
+        (grid(TAGS_2X2[:3]), 2, 2, "found 3 panel tag"),
+        (grid(TAGS_2X2 + ["PANEL-1"]), 2, 2, "duplicate panel position"),
+        ("G. [TOP]-[LEFT]: a [TOP]-[LEFT]: b [BOTTOM]-[LEFT]: c [BOTTOM]-[RIGHT]: d", 2, 2,
+         "duplicate panel position row 1, col 1"),
+        ("G. [LEFT]: a [MIDDLE]: b [RIGHT]: c", 2, 2, "does not fit layout 2x2"),
+        (grid(TAGS_2X2), 1, 3, "does not fit layout 1x3"),
+        ("G. PANEL-1: a PANEL-2: b PANEL-4: c", 1, 3, "does not fit"),
+        ("G. [TOP]-[LEFT]: a [TOP]-[RIGHT]:   [BOTTOM]-[LEFT]: c [BOTTOM]-[RIGHT]: d", 2, 2,
+         "empty panel prompt"),
+        ("no tags at all", 2, 2, "found 0 panel tag"),
+        ("G. [TOP]: a [MIDDLE]: b [BOTTOM]: c", 3, 2, "does not fit"),
+    ],
+)
+def test_panel_errors(text, rows, cols, match):
+    with pytest.raises(PromptFormatError, match=match):
+        P.parse_panel_prompts(text, rows, cols)
+
+
+# --------------------------------------------------------------------------------------------
+# reading files
+# --------------------------------------------------------------------------------------------
+
+
+def test_read_columns_types_and_values(tmp_path):
+    rows = [
+        record(),
+        record(idx="0002", layout="1x3", height=512, width=1536, split="test",
+               subject="cat", editing_prompts=["a", "b", "c"],
+               prompt="THREE-PANEL Images with a 1x3 grid layout of a cat. [RIGHT]: r "
+                      "[LEFT]: l [MIDDLE]: m"),
+        record(idx="My Set/7", prompt=grid(TAGS_2X2), split="train"),
+    ]
+    df = P.read_t2is_jsonl(write_jsonl(tmp_path / "p.jsonl", rows))
+    assert list(df.columns) == P.PROMPT_COLUMNS
+    assert df["prompt_id"].tolist() == ["t2is-0001", "t2is-0002", "t2is-my-set-7"]
+    assert df["split"].tolist() == [None, "test", "train"]
+    assert df["subject"].tolist() == [None, "cat", None]
+    assert df.loc[0, "editing_prompts"] is None
+    assert df.loc[1, "editing_prompts"] == ["a", "b", "c"]
+    assert df.loc[1, "panel_prompts"] == ["l", "m", "r"]
+    assert df.loc[1, "global_prompt"] == "THREE-PANEL Images with a 1x3 grid layout of a cat."
+    assert (df.loc[1, "rows"], df.loc[1, "cols"]) == (1, 3)
+    assert (df.loc[1, "height"], df.loc[1, "width"]) == (512, 1536)
+    for c in ("rows", "cols", "height", "width"):
+        assert str(df[c].dtype) == "int64"
+    crit = df.loc[0, "criteria"]
+    assert isinstance(crit, str)
+    assert list(json.loads(crit)) == ["Identity", "Logic", "Style"]  # keys sorted
+    assert crit == json.dumps(json.loads(crit), sort_keys=True)
+    assert df.loc[0, "category"] == "Character Generation"
+    assert df.loc[0, "task_name"] == "Multi-pose"
+
+
+def test_parquet_round_trip(tmp_path):
+    df = P.read_t2is_jsonl(write_jsonl(tmp_path / "p.jsonl", [record(), record(idx=2,
+                                       subject="cat", split="test")]))
+    write_parquet(tmp_path / "prompts.parquet", df)
+    back = read_parquet(tmp_path / "prompts.parquet", required=P.PROMPT_COLUMNS)
+    assert back["prompt_id"].tolist() == ["t2is-0001", "t2is-0002"]
+    assert list(back.loc[0, "panel_prompts"]) == df.loc[0, "panel_prompts"]
+    assert back["split"].isna().tolist() == [True, False]
+
+
+def test_blank_lines_are_skipped_but_counted(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n" + json.dumps(record()) + "\n   \n" + "{oops\n", encoding="utf-8")
+    with pytest.raises(PromptFormatError, match="line 4") as ei:
+        P.read_t2is_jsonl(path)
+    assert ei.value.line == 4
+
+
+def test_empty_file_gives_empty_table(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("", encoding="utf-8")
+    df, skipped = P.read_t2is_jsonl_with_report(path)
+    assert len(df) == 0 and skipped == [] and list(df.columns) == P.PROMPT_COLUMNS
+
+
+BAD_ROWS = {
+    "bad json": ('{"idx": 3, "prompt": ', "invalid JSON"),
+    "not an object": ("[1, 2, 3]", "must be a JSON object"),
+    "missing key": (record(layout=_DROP), "missing key.*layout"),
+    "missing several": (record(theme=_DROP, criteria=_DROP), "missing key.*theme, criteria"),
+    "height is a string": (record(height="1024"), "'height' must be an integer"),
+    "width is a float": (record(width=1024.0), "'width' must be an integer"),
+    "height is bool": (record(height=True), "'height' must be an integer"),
+    "prompt not a string": (record(prompt=["a"]), "'prompt' must be a string"),
+    "empty category": (record(category="  "), "'category' is empty"),
+    "criteria a list": (record(criteria=["a"]), "'criteria' must be"),
+    "criteria inner text": (record(criteria={"Style": {"x": 1}}), r"criteria\['Style'\]\['x'\]"),
+    "idx a float": (record(idx=1.5), "idx must be an int or a string"),
+    "idx empty": (record(idx="///"), "empty prompt id"),
+    "bad layout": (record(layout="2by2"), "bad layout"),
+    "layout a list": (record(layout=[2, 2]), "layout must be a string"),
+    "single panel": (record(layout="1x1"), "at least 2 panels"),
+    "too few panels": (record(prompt=grid(TAGS_2X2[:3])), "found 3 panel tag.*needs 4"),
+    "too many panels": (record(layout="1x3", prompt=grid(["[LEFT]", "[MIDDLE]", "[RIGHT]",
+                                                          "PANEL-2"])), "duplicate panel"),
+    "tag misfit": (record(layout="1x3", prompt=grid(TAGS_2X2)), "'\\[TOP\\]-\\[LEFT\\]:' does "
+                   "not fit layout 1x3"),
+    "tags for a smaller layout": (record(layout="2x3", prompt=grid(TAGS_2X2)),
+                                  "found 4 panel tag.*layout 2x3 needs 6"),
+    "duplicate position": (record(prompt=grid(["[TOP]-[LEFT]", "[TOP-LEFT]", "[BOTTOM]-[LEFT]",
+                                               "[BOTTOM]-[RIGHT]"])), "duplicate panel position"),
+    "zero height": (record(height=0), "'height' must be positive"),
+    "negative width": (record(width=-512), "'width' must be positive"),
+    "unknown split": (record(split="val"), "unknown split 'val'"),
+    "grid text contradicts layout": (
+        record(prompt=grid(TAGS_2X2, "FOUR-PANEL Images with a 1x4 grid layout.")),
+        "says '1x4 grid' but layout is 2x2"),
+    "editing prompts wrong length": (record(editing_prompts=["a", "b"]), "editing_prompts.*2"),
+    "editing prompts not strings": (record(editing_prompts=["a", "b", 3, "d"]),
+                                    "editing_prompts' must be a list"),
+    "subject not a string": (record(subject=7), "'subject' must be a string"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_ROWS))
+def test_malformed_row_raises_with_line_number(tmp_path, kind):
+    bad, match = BAD_ROWS[kind]
+    rows = [record(idx=10), record(idx=11), bad]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(PromptFormatError, match=match) as ei:
+        P.read_t2is_jsonl(path)
+    assert ei.value.line == 3
+    assert "line 3" in str(ei.value) and str(path) in str(ei.value)
+    assert isinstance(ei.value, ValueError)
+
+
+@pytest.mark.parametrize("dup", [7, "7", "0007", "00007"])
+def test_duplicate_ids_are_an_error(tmp_path, dup):
+    path = write_jsonl(tmp_path / "p.jsonl", [record(idx=1), record(idx=7), record(idx=dup)])
+    with pytest.raises(PromptFormatError, match=r"duplicate prompt_id 't2is-0007' \(first on "
+                                                r"line 2\)") as ei:
+        P.read_t2is_jsonl(path)
+    assert ei.value.line == 3
+
+
+def test_non_strict_skips_and_reports_every_bad_row(tmp_path):
+    kinds = ["bad json", "missing key", "unknown split", "zero height", "too few panels"]
+    rows = [record(idx=1)]
+    for k in kinds:
+        rows.append(BAD_ROWS[k][0])
+    rows += [record(idx=2), record(idx=1)]  # a good row, then a duplicate of the first
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    df, skipped = P.read_t2is_jsonl_with_report(path, strict=False)
+    assert df["prompt_id"].tolist() == ["t2is-0001", "t2is-0002"]
+    assert [s["line"] for s in skipped] == [2, 3, 4, 5, 6, 8]
+    for s in skipped:
+        assert set(s) == {"line", "reason"} and isinstance(s["reason"], str) and s["reason"]
+    assert "duplicate prompt_id" in skipped[-1]["reason"]
+    assert "unknown split" in skipped[2]["reason"]
+    # the DataFrame-only reader warns instead of dropping silently
+    with pytest.warns(UserWarning, match="skipped 6 malformed row"):
+        df2 = P.read_t2is_jsonl(path, strict=False)
+    assert df2["prompt_id"].tolist() == df["prompt_id"].tolist()
+    # strict mode stops at the first one
+    with pytest.raises(PromptFormatError, match="line 2"):
+        P.read_t2is_jsonl_with_report(path, strict=True)
+
+
+def test_strict_report_is_empty(tmp_path):
+    df, skipped = P.read_t2is_jsonl_with_report(write_jsonl(tmp_path / "p.jsonl", [record()]))
+    assert skipped == [] and len(df) == 1
+
+
+@pytest.mark.parametrize(
+    "idx, pid",
+    [(0, "t2is-0000"), (7, "t2is-0007"), (12345, "t2is-12345"), ("0007", "t2is-0007"),
+     ("0001_0003", "t2is-0001_0003"), ("  Hello World!  ", "t2is-hello-world"),
+     ("a.b-c", "t2is-a.b-c")],
+)
+def test_prompt_id_from_idx(idx, pid):
+    assert P.prompt_id_from_idx(idx) == pid
+
+
+@pytest.mark.parametrize("idx", [-1, True, None, 1.0, [1], "  ", "!!!"])
+def test_prompt_id_rejects(idx):
+    with pytest.raises(PromptFormatError):
+        P.prompt_id_from_idx(idx)
+
+
+def test_extra_keys_are_ignored(tmp_path):
+    df = P.read_t2is_jsonl(write_jsonl(tmp_path / "p.jsonl",
+                                       [record(**{"from": "T2IS", "original_idx": "0001_0001"})]))
+    assert list(df.columns) == P.PROMPT_COLUMNS
+
+
+def test_other_criteria_dimensions_are_kept(tmp_path):
+    crit = {"Identity": {"a": "x"}, "Surroundings": {"b": "y"}}
+    df = P.read_t2is_jsonl(write_jsonl(tmp_path / "p.jsonl", [record(criteria=crit)]))
+    assert json.loads(df.loc[0, "criteria"]) == crit
+
+
+# --------------------------------------------------------------------------------------------
+# split
+# --------------------------------------------------------------------------------------------
+
+IDS = [f"t2is-{i:04d}" for i in range(1, 31)]
+
+
+def test_split_deterministic_and_stable_under_shuffle():
+    a = P.assign_split(IDS, 0.25, seed=3)
+    assert P.assign_split(list(IDS), 0.25, seed=3) == a
+    rng = random.Random(1)
+    for _ in range(10):
+        shuffled = rng.sample(IDS, len(IDS))
+        assert P.assign_split(shuffled, 0.25, seed=3) == a
+    assert set(a) == set(IDS)
+    assert set(a.values()) == {"train", "test"}
+    assert P.assign_split(IDS, 0.25, seed=4) != a  # the seed matters
+
+
+def test_split_known_value_is_platform_independent():
+    # sha256 keys, not Python's salted hash(): a fixed expectation for a fixed seed
+    expected = ["t2is-0002", "t2is-0004", "t2is-0006", "t2is-0007", "t2is-0011", "t2is-0022"]
+    for ids in (IDS, list(reversed(IDS))):
+        test = sorted(k for k, v in P.assign_split(ids, 0.2, seed=0).items() if v == "test")
+        assert test == expected
+
+
+@pytest.mark.parametrize(
+    "n, frac, n_test",
+    [(30, 0.25, round(0.25 * 30)), (30, 0.2, 6), (10, 0.25, round(2.5)), (4, 0.1, 1),
+     (2, 0.01, 1), (2, 0.9, 1), (5, 0.99, 4), (30, 0.0, 0), (1, 0.5, 0), (1, 0.9, 0), (0, 0.3, 0),
+     (100, 0.3, 30)],
+)
+def test_split_sizes(n, frac, n_test):
+    ids = [f"p{i}" for i in range(n)]
+    split = P.assign_split(ids, frac, seed=0)
+    assert sum(v == "test" for v in split.values()) == n_test
+    assert len(split) == n
+    assert set(split.values()) <= {"train", "test"}
+
+
+def test_split_rejects_duplicates_and_bad_fractions():
+    with pytest.raises(ValueError, match="duplicate"):
+        P.assign_split(["a", "b", "a"], 0.5, 0)
+    for frac in (-0.1, 1.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="test_fraction"):
+            P.assign_split(["a", "b"], frac, 0)
+
+
+def test_split_stratified_by_category():
+    cats = {pid: ["A", "B", "C", "D", "E"][i % 5] for i, pid in enumerate(IDS)}  # 6 each
+    split = P.assign_split(IDS, 0.25, seed=0, categories=cats)
+    assert sum(v == "test" for v in split.values()) == round(0.25 * 30)
+    for c in "ABCDE":
+        members = [p for p in IDS if cats[p] == c]
+        n_test = sum(split[p] == "test" for p in members)
+        assert 1 <= n_test <= 2 and n_test < len(members)
+    # same answer for the aligned-sequence form, under any order
+    rng = random.Random(5)
+    shuffled = rng.sample(IDS, len(IDS))
+    assert P.assign_split(shuffled, 0.25, 0, categories=[cats[p] for p in shuffled]) == split
+
+
+def test_split_stratified_keeps_small_categories_in_train_when_possible():
+    ids = [f"p{i}" for i in range(9)]
+    cats = ["big"] * 8 + ["solo"]
+    split = P.assign_split(ids, 0.25, 0, categories=cats)
+    assert split["p8"] == "train"
+    assert sum(v == "test" for v in split.values()) == 2
+    with pytest.raises(ValueError, match="categories"):
+        P.assign_split(ids, 0.25, 0, categories=cats[:-1])
+    with pytest.raises(ValueError, match="lack"):
+        P.assign_split(ids, 0.25, 0, categories={"p0": "a"})
+
+
+# --------------------------------------------------------------------------------------------
+# the shipped prompt set
+# --------------------------------------------------------------------------------------------
+
+# words the grid prompt's global description must contain for each photo subject, so the
+# photo composites match their prompt
+SUBJECT_WORDS = {
+    "astronaut": ["astronaut", "orange-and-white"],
+    "cat": ["tabby cat"],
+    "coffee": ["cup", "coffee", "saucer"],
+    "rocket": ["rocket", "launch pad"],
+    "grace_hopper": ["naval officer", "uniform"],
+    "motorcycle": ["motorcycle"],
+    "galaxies": ["galaxies"],
+    "tissue": ["stained tissue", "microscope"],
+    "cameraman": ["camera", "tripod"],
+    "horse": ["horse", "silhouette"],
+    "coins": ["coins", "table"],
+    "clock": ["wall clock"],
+    "moon": ["moon", "cratered surface"],
+    "brick": ["brick wall"],
+    "grass": ["grass"],
+    "gravel": ["gravel"],
+}
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return P.read_t2is_jsonl(SHIPPED, strict=True)
+
+
+def test_shipped_set_parses_strictly(shipped):
+    assert len(shipped) >= 24
+    assert shipped["prompt_id"].is_unique
+    assert set(shipped["category"]) == set(P.T2IS_CATEGORIES)
+    assert shipped["split"].isna().all()  # the pipeline assigns the split
+    for line in SHIPPED.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            assert "split" not in json.loads(line)
+
+
+def test_shipped_subjects(shipped):
+    assert set(SUBJECT_WORDS) == set(P.PHOTO_SUBJECTS)
+    assert shipped["subject"].notna().all()
+    assert set(shipped["subject"]) == set(P.PHOTO_SUBJECTS)  # only valid ones, each used
+    for _, row in shipped.iterrows():
+        text = row["global_prompt"].lower()
+        for word in SUBJECT_WORDS[row["subject"]]:
+            assert word.lower() in text, (row["prompt_id"], row["subject"], word)
+
+
+def test_shipped_layouts_sizes_and_criteria(shipped):
+    layouts = set(zip(shipped["rows"], shipped["cols"], strict=True))
+    assert {(2, 2), (1, 3), (3, 1), (2, 3)} <= layouts
+    assert (shipped["rows"].eq(2) & shipped["cols"].eq(2)).mean() > 0.5  # mostly 2x2
+    for _, row in shipped.iterrows():
+        assert row["height"] // row["rows"] == row["width"] // row["cols"] == 512
+        assert len(row["panel_prompts"]) == row["rows"] * row["cols"]
+        assert len(row["editing_prompts"]) == row["rows"] * row["cols"]
+        crit = json.loads(row["criteria"])
+        assert set(crit) == {"Identity", "Style", "Logic"}
+        assert row["theme"].strip() and row["task_name"].strip()
