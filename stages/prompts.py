@@ -29,7 +29,9 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     df, skipped = P.read_t2is_jsonl_with_report(args.jsonl, strict=cfg.strict)
     for row in skipped:
         log.warning("skipped malformed row: line %s: %s", row["line"], row["reason"])
-    split = P.assign_split(df["prompt_id"].tolist(), cfg.test_fraction, cfg.seed)
+    split = P.assign_split(
+        df["prompt_id"].tolist(), cfg.test_fraction, cfg.seed, categories=df["category"].tolist()
+    )
     given = df["split"].notna()
     df.loc[~given, "split"] = df.loc[~given, "prompt_id"].map(split)
     write_parquet(args.out, df)
