@@ -1,0 +1,233 @@
+"""Load the model directories written by the ``models`` stage, with ``from_pretrained`` only.
+
+Every later stage loads its models through these functions, so the tiny embedded default and a
+real hub snapshot go through the same code. Nothing here touches the network: each loader
+passes ``local_files_only=True``.
+
+Classes are chosen so that nothing needs torchvision (DESIGN.md §4):
+
+* the judge's processor is :class:`Qwen2_5_VLImageOnlyProcessor`, a subclass of
+  ``Qwen2_5_VLProcessor`` with an image processor and a tokenizer but no video processor (the
+  stock ``AutoProcessor`` builds a torchvision video processor and fails without it), and its
+  image processor is always the PIL/numpy ``Qwen2VLImageProcessorPil``, also where torchvision
+  is installed, so preprocessing is bit-identical on every machine;
+* CLIP's image processor is always ``CLIPImageProcessorPil``, for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import ProcessorMixin
+from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+
+
+class ModelDirectoryError(FileNotFoundError):
+    """A model directory is missing or lacks a file a loader needs."""
+
+
+def _check_dir(path: str | Path, what: str, required: list[str], any_of: list[list[str]] = ()) -> Path:
+    """Raise :class:`ModelDirectoryError` unless ``path`` holds every file in ``required`` and at
+    least one file of each group in ``any_of`` (paths relative to ``path``)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelDirectoryError(f"{what}: model directory {path} does not exist (run the `models` stage)")
+    missing = [f for f in required if not (path / f).is_file()]
+    for group in any_of:
+        if not any((path / f).is_file() for f in group):
+            missing.append(" or ".join(group))
+    if missing:
+        raise ModelDirectoryError(f"{what}: model directory {path} is incomplete, missing {missing}")
+    return path
+
+
+_WEIGHTS = ["model.safetensors", "model.safetensors.index.json"]
+
+
+# --------------------------------------------------------------------------------------------
+# judge (Qwen2.5-VL)
+# --------------------------------------------------------------------------------------------
+
+
+class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
+    """``Qwen2_5_VLProcessor`` without a video processor (works without torchvision).
+
+    Takes exactly ``image_processor`` (``Qwen2VLImageProcessorPil``) and ``tokenizer``
+    (``Qwen2Tokenizer``) plus an optional ``chat_template``. Calling it with ``videos=`` is an
+    error. ``save_pretrained`` writes ``processor_class: "Qwen2_5_VLProcessor"`` so the saved
+    directory has the stock layout (``AutoProcessor`` loads it where torchvision exists);
+    :func:`load_judge_processor` always reloads it with this class.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        if tokenizer is None or image_processor is None:
+            raise ValueError("Qwen2_5_VLImageOnlyProcessor needs an image_processor and a tokenizer")
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+    def __call__(self, images=None, text=None, videos=None, **kwargs):
+        if videos is not None:
+            raise ValueError("Qwen2_5_VLImageOnlyProcessor handles images only (no video processor)")
+        return super().__call__(images=images, text=text, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["processor_class"] = "Qwen2_5_VLProcessor"
+        return out
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        files = super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        # The tokenizer config names the processor class too: keep it the stock one as well.
+        tok_config = Path(save_directory) / "tokenizer_config.json"
+        if tok_config.is_file():
+            data = json.loads(tok_config.read_text(encoding="utf-8"))
+            if data.get("processor_class") == type(self).__name__:
+                data["processor_class"] = "Qwen2_5_VLProcessor"
+                tok_config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return files
+
+    @classmethod
+    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
+        # Always the PIL image processor; the tokenizer through AutoTokenizer (Qwen2Tokenizer).
+        from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+        kwargs.pop("backend", None)
+        kwargs.pop("use_fast", None)
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        return [image_processor, tokenizer]
+
+
+def load_judge_processor(path: str | Path) -> Qwen2_5_VLImageOnlyProcessor:
+    """Load the judge's processor (image processor + tokenizer + chat template) from ``path``.
+
+    Works for the tiny build and for a Qwen2.5-VL hub snapshot (``preprocessor_config.json`` or
+    ``processor_config.json``). Chat messages use the Qwen format:
+    ``{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ...}]}``;
+    ``processor(text=..., images=[PIL images])`` returns ``input_ids``, ``attention_mask``
+    (int64, ``(batch, seq)``), ``pixel_values`` (float32, ``(n_patches, 3*2*14*14)``),
+    ``image_grid_thw`` (int64, ``(n_images, 3)``) and ``mm_token_type_ids``.
+
+    Raises:
+        ModelDirectoryError: ``path`` is missing or has no tokenizer / processor config.
+    """
+    path = _check_dir(
+        path,
+        "judge processor",
+        [],
+        [["tokenizer.json", "vocab.json"], ["processor_config.json", "preprocessor_config.json"]],
+    )
+    return Qwen2_5_VLImageOnlyProcessor.from_pretrained(str(path), local_files_only=True)
+
+
+def load_judge(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load the Qwen2.5-VL judge and its processor from ``path``.
+
+    Args:
+        path: a directory written by the ``models`` stage (``judge_base``) or by
+            ``reward_merge`` (config, safetensors weights, processor files).
+        dtype: parameter dtype (``torch.float32`` on CPU; ``torch.bfloat16`` on GPU).
+
+    Returns:
+        ``(model, processor)``: ``Qwen2_5_VLForConditionalGeneration`` in eval mode on CPU
+        (move it yourself), and :class:`Qwen2_5_VLImageOnlyProcessor`. ``model(**inputs).logits``
+        has shape ``(batch, seq, vocab_size)``.
+
+    Raises:
+        ModelDirectoryError: ``path`` is missing or lacks ``config.json``, weights or processor.
+    """
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    path = _check_dir(path, "judge", ["config.json"], [_WEIGHTS])
+    processor = load_judge_processor(path)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(path), dtype=dtype, local_files_only=True
+    )
+    model.eval()
+    return model, processor
+
+
+# --------------------------------------------------------------------------------------------
+# CLIP
+# --------------------------------------------------------------------------------------------
+
+
+def load_clip(path: str | Path):
+    """Load a CLIP dual encoder and its processor from ``path``.
+
+    Returns:
+        ``(CLIPModel in eval mode, CLIPProcessor)``; the processor's image processor is
+        ``CLIPImageProcessorPil`` (resize shortest edge + centre crop to
+        ``model.config.vision_config.image_size``, CLIP mean/std normalisation).
+
+    Raises:
+        ModelDirectoryError: ``path`` is missing or lacks ``config.json``, weights, tokenizer or
+            image processor config.
+    """
+    from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    path = _check_dir(
+        path,
+        "clip",
+        ["config.json"],
+        [_WEIGHTS + ["pytorch_model.bin"], ["tokenizer.json", "vocab.json"],
+         ["processor_config.json", "preprocessor_config.json"]],
+    )
+    image_processor = CLIPImageProcessorPil.from_pretrained(str(path), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    processor = CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    model = CLIPModel.from_pretrained(str(path), local_files_only=True)
+    model.eval()
+    return model, processor
+
+
+# --------------------------------------------------------------------------------------------
+# FLUX
+# --------------------------------------------------------------------------------------------
+
+_FLUX_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+
+
+def _diffusers_dtype(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``dtype=`` for diffusers versions that renamed ``torch_dtype`` (and warn on it)."""
+    try:
+        from diffusers.utils import deprecation_utils
+
+        renamed = hasattr(deprecation_utils, "_TORCH_DTYPE_DEPRECATION_MESSAGE")
+    except ImportError:
+        renamed = False
+    return {"dtype": dtype} if renamed else {"torch_dtype": dtype}
+
+
+def load_flux_pipeline(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load a FLUX.1 pipeline directory (diffusers layout) as ``diffusers.FluxPipeline``.
+
+    Args:
+        path: directory with ``model_index.json`` and the sub-folders ``transformer``, ``vae``,
+            ``text_encoder``, ``text_encoder_2``, ``tokenizer``, ``tokenizer_2``, ``scheduler``.
+        dtype: dtype of every module (``torch.float32`` on CPU, ``torch.bfloat16`` on GPU).
+
+    Returns:
+        ``FluxPipeline`` on CPU with the progress bar disabled. ``pipe(prompt, height=128,
+        width=128, num_inference_steps=2, ...)`` gives PIL images of that size; height and width
+        must be multiples of ``2 * pipe.vae_scale_factor`` (16 for FLUX).
+
+    Raises:
+        ModelDirectoryError: ``path`` is missing, lacks ``model_index.json`` or a component.
+    """
+    from diffusers import FluxPipeline
+
+    path = _check_dir(path, "flux pipeline", ["model_index.json"])
+    index = json.loads((path / "model_index.json").read_text())
+    missing = [c for c in _FLUX_COMPONENTS if c not in index or not (path / c).is_dir()]
+    if missing:
+        raise ModelDirectoryError(f"flux pipeline: model directory {path} is incomplete, missing {missing}")
+    pipe = FluxPipeline.from_pretrained(str(path), local_files_only=True, **_diffusers_dtype(dtype))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -1,0 +1,339 @@
+"""Tiny random-init models, built offline and saved in Hugging Face format.
+
+The embedded default has no hub (DESIGN.md §4): the ``models`` stage calls :func:`build_tiny`,
+which trains a tokenizer on the built-in corpus, constructs the model from a small config with
+weights drawn from ``torch.manual_seed(seed)``, and writes everything with ``save_pretrained``
+(safetensors). Later stages load the directory with ``from_pretrained`` exactly as they would a
+hub snapshot (:mod:`paco.models.loading`).
+
+Same ``(name, seed)`` -> byte-identical files (tokenizer training and weight init are
+deterministic, safetensors headers are sorted); a different seed changes every weight file.
+
+=============  ===============================================================================
+name           what is written to ``out_dir``
+=============  ===============================================================================
+qwen2_5_vl     ``Qwen2_5_VLForConditionalGeneration`` (text 2 layers x 128, vision 2 blocks x
+               64, patch 14, merge 2) + processor (image-only, PIL image processor resizing to
+               at most 112x112 px: a 128 px panel -> 8x8 patches -> 16 visual tokens)
+flux           ``FluxPipeline`` layout: ``transformer`` (1 double + 1 single block, 2 heads x
+               16), ``vae`` (``AutoencoderKL``, 16 latent channels, scale factor 8),
+               ``text_encoder`` (CLIP text), ``text_encoder_2`` (T5 encoder), ``tokenizer``,
+               ``tokenizer_2``, ``scheduler`` (flow matching, dynamic shifting)
+clip           ``CLIPModel`` (text + vision, projection 64, 32 px images) + ``CLIPProcessor``
+=============  ===============================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+#: Names accepted by :func:`build_tiny`.
+TINY_NAMES = ("qwen2_5_vl", "flux", "clip")
+
+#: Judge image budget: at most 112x112 px (8x8 patches of 14 px -> 4x4 = 16 merged visual
+#: tokens), at least 56x56 px (4 tokens).
+JUDGE_MIN_PIXELS = 56 * 56
+JUDGE_MAX_PIXELS = 112 * 112
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seed torch's CPU generator for a construction, restoring the previous state after."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers' / diffusers' info logs and progress bars while building."""
+    from diffusers.utils import logging as df_logging
+    from transformers.utils import logging as hf_logging
+
+    saved = [(lib, lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in (hf_logging, df_logging)]
+    for lib, _, _ in saved:
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib, level, bars in saved:
+            lib.set_verbosity(level)
+            if bars:
+                lib.enable_progress_bar()
+
+
+# --------------------------------------------------------------------------------------------
+# judge: Qwen2.5-VL
+# --------------------------------------------------------------------------------------------
+
+
+def _build_qwen2_5_vl(out_dir: Path, seed: int) -> None:
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    from paco.models.loading import Qwen2_5_VLImageOnlyProcessor
+    from paco.models.tokenizers import train_qwen_tokenizer
+
+    tokenizer = train_qwen_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in
+           ("<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+            "<|vision_end|>")}
+    hidden, heads = 128, 4
+    head_dim = hidden // heads  # 32 -> 16 rotary frequencies split t/h/w as 4/6/6
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                             "mrope_section": [4, 6, 6]},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=2,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[1],
+            out_hidden_size=hidden,
+            tokens_per_second=2,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    assert sum(config.text_config.rope_parameters["mrope_section"]) * 2 == head_dim
+    with _seeded(seed):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    )
+    model.save_pretrained(out_dir)
+
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=JUDGE_MIN_PIXELS,
+        max_pixels=JUDGE_MAX_PIXELS,
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+    )
+    processor = Qwen2_5_VLImageOnlyProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+    processor.save_pretrained(out_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# CLIP
+# --------------------------------------------------------------------------------------------
+
+
+def _build_clip(out_dir: Path, seed: int) -> None:
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    from paco.models.tokenizers import train_clip_tokenizer
+
+    tokenizer = train_clip_tokenizer()
+    image_size = 32
+    config = CLIPConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=image_size,
+            patch_size=8,
+        ),
+        projection_dim=64,
+    )
+    with _seeded(seed):
+        model = CLIPModel(config)
+    model.save_pretrained(out_dir)
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(out_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# FLUX.1
+# --------------------------------------------------------------------------------------------
+
+#: FLUX.1-dev's scheduler config (resolution-dependent shift of the sigma schedule).
+FLUX_SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+
+
+def _build_flux(out_dir: Path, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from paco.models.tokenizers import train_clip_tokenizer, train_t5_tokenizer
+
+    tokenizer = train_clip_tokenizer()
+    tokenizer_2 = train_t5_tokenizer()
+    clip_hidden, t5_hidden = 32, 32
+    with _seeded(seed):
+        # One seed for the whole pipeline: components are drawn in a fixed order.
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=clip_hidden,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            projection_dim=clip_hidden,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ))
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=t5_hidden,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+            feed_forward_proj="gated-gelu",
+            dropout_rate=0.0,
+            is_encoder_decoder=False,
+            use_cache=False,
+            pad_token_id=tokenizer_2.pad_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+            decoder_start_token_id=tokenizer_2.pad_token_id,
+        ))
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=64,  # 16 latent channels x 2x2 packing
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=t5_hidden,
+            pooled_projection_dim=clip_hidden,
+            guidance_embeds=True,  # FLUX.1-dev is guidance-distilled
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 16, 16),  # 4 levels -> vae_scale_factor 8 as in FLUX
+            layers_per_block=1,
+            latent_channels=16,
+            norm_num_groups=8,
+            sample_size=128,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            mid_block_add_attention=True,
+        )
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG)
+    pipe = FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(out_dir)
+
+
+_BUILDERS: dict[str, Callable[[Path, int], None]] = {
+    "qwen2_5_vl": _build_qwen2_5_vl,
+    "flux": _build_flux,
+    "clip": _build_clip,
+}
+
+
+def build_tiny(name: str, out_dir: Path, seed: int) -> Path:
+    """Build the tiny model ``name`` from ``seed`` and save it (HF format) into ``out_dir``.
+
+    Args:
+        name: one of :data:`TINY_NAMES` (``"qwen2_5_vl"``, ``"flux"``, ``"clip"``).
+        out_dir: target directory; created if missing, and an existing one is emptied first
+            (write to a fresh directory when atomicity matters: :func:`paco.models.fetch.materialise`
+            does).
+        seed: seeds ``torch.manual_seed`` before the weights are constructed (the global torch
+            RNG state is restored afterwards).
+
+    Returns:
+        ``out_dir``. Files: ``config.json``, ``model.safetensors`` and processor/tokenizer files
+        (``qwen2_5_vl``, ``clip``) or a diffusers pipeline tree with ``model_index.json``
+        (``flux``). All weights are float32.
+
+    Raises:
+        ValueError: unknown ``name``.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown tiny model {name!r}; expected one of {', '.join(TINY_NAMES)}")
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    with _quiet():
+        _BUILDERS[name](out_dir, int(seed))
+    return out_dir
+

@@ -1,0 +1,27 @@
+"""Shared pytest fixtures: the tiny models of the embedded default, built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+#: role -> tiny spec, as in params.yaml's embedded default (``models:``).
+TINY_ROLES = {"judge_base": "tiny:qwen2_5_vl", "policy_t2is": "tiny:flux", "clip": "tiny:clip"}
+TINY_SEED = 0
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Build the three tiny models (seed 0) once per session; role -> model directory.
+
+    Keys: ``judge_base`` (Qwen2.5-VL + processor), ``policy_t2is`` (FLUX.1 pipeline),
+    ``clip`` (CLIP + processor). Treat the directories as read-only.
+    """
+    from paco.models.fetch import materialise
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        role: materialise(role, spec, root / role, seed=TINY_SEED)
+        for role, spec in TINY_ROLES.items()
+    }

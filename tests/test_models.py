@@ -1,0 +1,329 @@
+"""The models library: tiny builds, materialise (tiny / local / hub cache), loaders, ClipScorer."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from paco.models.fetch import materialise
+from paco.models.loading import (
+    ModelDirectoryError,
+    load_clip,
+    load_flux_pipeline,
+    load_judge,
+    load_judge_processor,
+)
+from paco.models.tiny import build_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_NAME = {"judge_base": "qwen2_5_vl", "policy_t2is": "flux", "clip": "clip"}
+
+
+def _digests(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``root``."""
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _image(seed: int, size: int = 128) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """HF offline mode, set both in the environment and in huggingface_hub's constants (read
+    at import time)."""
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+
+
+# --------------------------------------------------------------------------------------------
+# determinism
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["judge_base", "policy_t2is", "clip"])
+def test_same_seed_gives_identical_files(tiny_model_dirs, tmp_path, role):
+    again = build_tiny(TINY_NAME[role], tmp_path / "again", seed=0)
+    first, second = _digests(tiny_model_dirs[role]), _digests(again)
+    assert first == second
+    assert any(name.endswith(".safetensors") for name in first)
+
+
+@pytest.mark.parametrize("role", ["judge_base", "clip"])
+def test_other_seed_changes_every_weight_file(tiny_model_dirs, tmp_path, role):
+    other = build_tiny(TINY_NAME[role], tmp_path / "other", seed=1)
+    first, second = _digests(tiny_model_dirs[role]), _digests(other)
+    assert first.keys() == second.keys()
+    weights = [k for k in first if k.endswith(".safetensors")]
+    assert weights and all(first[k] != second[k] for k in weights)
+    # the tokenizer does not depend on the seed
+    assert first["tokenizer.json"] == second["tokenizer.json"]
+
+
+def test_flux_other_seed_changes_every_component(tiny_model_dirs, tmp_path):
+    other = build_tiny("flux", tmp_path / "other", seed=1)
+    first, second = _digests(tiny_model_dirs["policy_t2is"]), _digests(other)
+    weights = [k for k in first if k.endswith(".safetensors")]
+    assert len(weights) == 4  # transformer, vae, text_encoder, text_encoder_2
+    assert all(first[k] != second[k] for k in weights)
+
+
+def test_build_is_identical_in_another_process(tiny_model_dirs, tmp_path):
+    """Hash randomisation or thread scheduling must not leak into the files (a tokenizer trainer
+    that breaks ties by hash-map order would pass the in-process tests and fail this one)."""
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO))
+    code = (
+        "import sys; from pathlib import Path; from paco.models.tiny import build_tiny; "
+        "build_tiny('clip', Path(sys.argv[1]), seed=0)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "clip")], check=True, env=env,
+                   cwd=REPO, timeout=120)
+    assert _digests(tmp_path / "clip") == _digests(tiny_model_dirs["clip"])
+
+
+def test_build_restores_global_rng(tmp_path):
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    build_tiny("clip", tmp_path / "clip", seed=7)
+    assert torch.equal(torch.rand(3), expected)
+
+
+# --------------------------------------------------------------------------------------------
+# loading (from_pretrained, offline)
+# --------------------------------------------------------------------------------------------
+
+
+def test_judge_round_trip_offline(tiny_model_dirs, tmp_path, offline):
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLImageProcessorPil
+
+    model, processor = load_judge(tiny_model_dirs["judge_base"])
+    assert isinstance(model, Qwen2_5_VLForConditionalGeneration)
+    assert isinstance(processor.image_processor, Qwen2VLImageProcessorPil)
+    assert isinstance(processor.tokenizer, Qwen2Tokenizer)
+    assert not hasattr(processor, "video_processor") or processor.video_processor is None
+    assert model.config.text_config.vocab_size == len(processor.tokenizer)
+    assert next(model.parameters()).dtype == torch.float32
+
+    # save -> load again gives the same weights and processor config
+    model.save_pretrained(tmp_path / "copy")
+    processor.save_pretrained(tmp_path / "copy")
+    model2, processor2 = load_judge(tmp_path / "copy")
+    sd1, sd2 = model.state_dict(), model2.state_dict()
+    assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert processor2.image_processor.to_dict() == processor.image_processor.to_dict()
+    assert processor2.chat_template == processor.chat_template
+
+
+def test_yes_and_no_are_single_tokens(tiny_model_dirs, offline):
+    tok = load_judge_processor(tiny_model_dirs["judge_base"]).tokenizer
+    ids = {w: tok.encode(w, add_special_tokens=False) for w in ("Yes", "No", " Yes", " No")}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    assert len({v[0] for v in ids.values()}) == 4
+    # and the template's special tokens are single, distinct ids
+    specials = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    special_ids = [tok.convert_tokens_to_ids(t) for t in specials]
+    assert len(set(special_ids)) == len(specials) and tok.unk_token_id not in special_ids
+    assert tok.decode(tok.encode("Yes. <reason>1. The style is the same.</reason>")) == (
+        "Yes. <reason>1. The style is the same.</reason>"
+    )
+
+
+def test_judge_forward_on_two_images(tiny_model_dirs, offline):
+    from paco.models.corpus import PAIRWISE_TEMPLATE
+
+    model, processor = load_judge(tiny_model_dirs["judge_base"])
+    messages = [{
+        "role": "user",
+        "content": [
+            {"type": "image"},
+            {"type": "image"},
+            {"type": "text", "text": PAIRWISE_TEMPLATE.format(main_prompt="a red fox in the snow")},
+        ],
+    }]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.count("<|vision_start|><|image_pad|><|vision_end|>") == 2
+    assert text.endswith("<|im_start|>assistant\n")
+    inputs = processor(text=[text], images=[_image(0), _image(1)], return_tensors="pt")
+    # a 128 px panel -> 112x112 px -> 8x8 patches -> 16 merged visual tokens
+    assert inputs["image_grid_thw"].tolist() == [[1, 8, 8], [1, 8, 8]]
+    n_image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    assert n_image_tokens == 2 * 16
+    with torch.no_grad():
+        out = model(**inputs)
+    assert out.logits.shape == (1, inputs["input_ids"].shape[1], len(processor.tokenizer))
+    assert torch.isfinite(out.logits).all()
+    yes, no = (processor.tokenizer.convert_tokens_to_ids(t) for t in ("Yes", "No"))
+    assert torch.isfinite(out.logits[0, -1, [yes, no]].log_softmax(-1)).all()
+
+
+def test_flux_generates_128px_image(tiny_model_dirs, offline):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    pipe = load_flux_pipeline(tiny_model_dirs["policy_t2is"])
+    assert isinstance(pipe, FluxPipeline)
+    assert isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)
+    cfg = pipe.scheduler.config
+    assert cfg.use_dynamic_shifting and (cfg.base_shift, cfg.max_shift) == (0.5, 1.15)
+    assert (cfg.base_image_seq_len, cfg.max_image_seq_len) == (256, 4096)
+    assert pipe.vae.config.latent_channels == 16 and pipe.vae_scale_factor == 8
+
+    def generate():
+        return pipe(
+            "[TOP-LEFT] a red fox [TOP-RIGHT] the same fox running",
+            height=128, width=128, num_inference_steps=2, guidance_scale=3.5,
+            max_sequence_length=64, generator=torch.Generator().manual_seed(0),
+        ).images[0]
+
+    start = time.perf_counter()
+    image = generate()
+    elapsed = time.perf_counter() - start
+    assert image.size == (128, 128) and image.mode == "RGB"
+    assert np.array_equal(np.asarray(image), np.asarray(generate()))  # seeded -> reproducible
+    assert elapsed < 10, f"tiny FLUX took {elapsed:.1f}s for 2 steps at 128x128"
+
+
+def test_clip_scorer_embeddings(tiny_model_dirs, offline):
+    from paco.clip import ClipScorer
+
+    scorer = ClipScorer(tiny_model_dirs["clip"])
+    images = [_image(i, size=64 + 16 * i) for i in range(3)]
+    emb = scorer.image_embeddings(images + [images[0]], batch_size=2)
+    assert emb.shape == (4, scorer.dim) and emb.dtype == torch.float32
+    assert torch.allclose(emb.norm(dim=-1), torch.ones(4), atol=1e-5)
+    assert scorer.cosine(emb[:1], emb[3:]).item() == pytest.approx(1.0, abs=1e-6)
+    assert torch.allclose(scorer.cosine(emb, emb), torch.ones(4), atol=1e-5)
+    assert scorer.cosine(emb[0], emb[1]).item() < 1.0 - 1e-6
+
+    texts = ["a red fox in the snow", "an astronaut on the moon " * 30]  # second one truncated
+    temb = scorer.text_embeddings(texts)
+    assert temb.shape == (2, scorer.dim)
+    assert torch.allclose(temb.norm(dim=-1), torch.ones(2), atol=1e-5)
+    sims = scorer.similarity_matrix(emb, temb)
+    assert sims.shape == (4, 2) and (sims.abs() <= 1).all()
+    assert torch.allclose(sims[:, 0], scorer.cosine(emb, temb[:1]), atol=1e-6)
+    scores = scorer.image_text_scores(images, ["a red fox"])
+    assert scores.shape == (3,) and (scores.abs() <= scorer.logit_scale + 1e-4).all()
+    assert scorer.image_embeddings([]).shape == (0, scorer.dim)
+
+
+def test_clip_round_trip_offline(tiny_model_dirs, offline):
+    from transformers import CLIPImageProcessorPil, CLIPModel
+
+    model, processor = load_clip(tiny_model_dirs["clip"])
+    assert isinstance(model, CLIPModel)
+    assert isinstance(processor.image_processor, CLIPImageProcessorPil)
+    ids = processor.tokenizer("a photo of a cat").input_ids
+    assert ids[0] == processor.tokenizer.bos_token_id and ids[-1] == processor.tokenizer.eos_token_id
+    pixels = processor(images=[_image(0)], return_tensors="pt")["pixel_values"]
+    assert pixels.shape == (1, 3, 32, 32)
+
+
+def test_loaders_reject_missing_or_incomplete_dirs(tiny_model_dirs, tmp_path):
+    with pytest.raises(ModelDirectoryError, match="does not exist"):
+        load_judge(tmp_path / "nope")
+    with pytest.raises(ModelDirectoryError, match="does not exist"):
+        load_flux_pipeline(tmp_path / "nope")
+    broken = materialise("clip", str(tiny_model_dirs["clip"]), tmp_path / "broken", seed=0)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ModelDirectoryError, match="incomplete"):
+        load_clip(broken)
+    flux = materialise("policy_t2is", str(tiny_model_dirs["policy_t2is"]), tmp_path / "flux", seed=0,
+                       allow_patterns=["model_index.json", "transformer/*", "scheduler/*"])
+    with pytest.raises(ModelDirectoryError, match="vae"):
+        load_flux_pipeline(flux)
+
+
+# --------------------------------------------------------------------------------------------
+# materialise
+# --------------------------------------------------------------------------------------------
+
+
+def test_unknown_tiny_name_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"models\.judge_base.*tiny:gpt5"):
+        materialise("judge_base", "tiny:gpt5", tmp_path / "out", seed=0)
+    with pytest.raises(ValueError, match="unknown tiny model"):
+        build_tiny("gpt5", tmp_path / "out", seed=0)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_local_path_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"models\.clip.*does not exist"):
+        materialise("clip", str(tmp_path / "no" / "such" / "dir"), tmp_path / "out", seed=0)
+
+
+def test_local_copy_replaces_out_dir_atomically(tiny_model_dirs, tmp_path):
+    src = tiny_model_dirs["clip"]
+    out = tmp_path / "models" / "clip"
+    out.mkdir(parents=True)
+    (out / "stale.bin").write_bytes(b"old")
+    # a symlinked source file is materialised as a regular file
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for f in src.iterdir():
+        (linked / f.name).symlink_to(f)
+    assert materialise("clip", str(linked), out, seed=0) == out
+    assert not (out / "stale.bin").exists()
+    assert not any(p.is_symlink() for p in out.rglob("*"))
+    assert _digests(out) == _digests(src)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["clip"]  # no temp dirs left behind
+
+
+def _fake_hub_cache(cache: Path, repo_id: str, src: Path, commit: str) -> Path:
+    """Lay out ``src`` as huggingface_hub's cache would after a download of ``repo_id``:
+    blobs/<sha256>, snapshots/<commit>/<file> -> ../../blobs/<sha256>, refs/main."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snap / f.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return snap
+
+
+def test_hub_id_from_offline_cache(tiny_model_dirs, tmp_path, monkeypatch, offline):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hf_cache"
+    _fake_hub_cache(cache, "paco-test/tiny-clip", tiny_model_dirs["clip"], commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+
+    out = materialise("clip", "paco-test/tiny-clip", tmp_path / "out", seed=0)
+    assert _digests(out) == _digests(tiny_model_dirs["clip"])
+    assert not any(p.is_symlink() for p in out.rglob("*"))
+    model, _ = load_clip(out)
+    assert isinstance(model, torch.nn.Module)
+
+    # an explicit commit revision and allow_patterns
+    only_json = materialise("clip", "paco-test/tiny-clip", tmp_path / "json", seed=0,
+                            revision=commit, allow_patterns=["*.json"])
+    assert sorted(p.name for p in only_json.iterdir()) == sorted(
+        f for f in _digests(tiny_model_dirs["clip"]) if f.endswith(".json"))
+
+    with pytest.raises(ValueError, match=r"models\.clip.*paco-test/not-cached.*not available"):
+        materialise("clip", "paco-test/not-cached", tmp_path / "missing", seed=0)
+    with pytest.raises(ValueError, match=r"models\.clip.*'paco-test/tiny-clip'.*not available"):
+        materialise("clip", "paco-test/tiny-clip", tmp_path / "missing", seed=0, revision="v9")
+    assert not (tmp_path / "missing").exists()
