@@ -37,7 +37,7 @@ def _ranker(cfg, args: argparse.Namespace, panels) -> P.Ranker:
         return P.annotation_ranker(P.annotation_rankings(P.read_annotations(args.annotations), panels))
     from paco.clip import ClipScorer  # torch + transformers: import only when used
 
-    scorer = ClipScorer.from_pretrained(args.clip)
+    scorer = ClipScorer(args.clip)
     images = [decode_image(c, what=f"panel {pid}") for pid, c in zip(panels["panel_id"], panels["image"])]
     emb = scorer.image_embeddings(images, batch_size=cfg.batch_size).numpy().astype(np.float64)
     return P.similarity_ranker(dict(zip(panels["panel_id"], emb, strict=True)))
