@@ -185,6 +185,108 @@ class PairsParams(_Section):
 
 
 # --------------------------------------------------------------------------------------------
+# labels (CoT targets)
+# --------------------------------------------------------------------------------------------
+
+
+class TemplateTeacherParams(_Section):
+    size: int = Field(128, ge=16, description="side (px) panels are resized to before measuring")
+
+
+class OpenAITeacherParams(_Section):
+    base_url: str | None = Field(None, description="e.g. http://127.0.0.1:8000/v1")
+    model: str | None = None
+    api_key_env: str | None = Field(None, description="NAME of the env variable holding the key")
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    retry_temperature: float = Field(0.7, ge=0.0)
+    concurrency: int = Field(4, ge=1)
+
+
+class LocalTeacherParams(_Section):
+    model_dir: str | None = None
+    batch_size: int = Field(4, ge=1)
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.7, ge=0.0)
+    seed: int = 0
+    device: str = "cpu"
+
+
+class TeacherParams(_Section):
+    """The CoT teacher (``paco.teacher.make_teacher``)."""
+
+    backend: Literal["template", "openai", "local"] = "template"
+    fast: bool = Field(False, description="bare Yes./No. targets (PaCo-Reward-7B-Fast)")
+    max_reasons: int = Field(3, ge=1, le=9)
+    retries: int = Field(2, ge=0)
+    timeout_s: float = Field(60.0, gt=0)
+    backoff_s: float = Field(1.0, ge=0)
+    backoff_max_s: float = Field(30.0, ge=0)
+    template: TemplateTeacherParams = Field(default_factory=TemplateTeacherParams)
+    openai: OpenAITeacherParams = Field(default_factory=OpenAITeacherParams)
+    local: LocalTeacherParams = Field(default_factory=LocalTeacherParams)
+
+
+class LabelsParams(_Section):
+    seed: int = 0
+    chunk_size: int = Field(64, ge=1, description="pairs per teacher call and per persisted chunk")
+    teacher: TeacherParams = Field(default_factory=TeacherParams)
+
+
+# --------------------------------------------------------------------------------------------
+# reward_train / reward_merge / reward_eval
+# --------------------------------------------------------------------------------------------
+
+
+class LoraParams(_Section):
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="module names inside the language model (vision tower and merger stay frozen)",
+    )
+
+
+class RewardTrainParams(_Section):
+    """LoRA SFT of the judge with the first-token-weighted loss (paper §3.1)."""
+
+    seed: int = 0
+    lora: LoraParams = Field(default_factory=LoraParams)
+    learning_rate: float = Field(2e-4, gt=0)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(8, ge=1, description="per process")
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    first_token_weight: float = Field(0.1, ge=0.0, le=1.0, description="alpha of paper §3.1")
+    loss_variant: Literal["paper", "reference"] = "paper"
+    checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
+    max_train_pairs: int | None = Field(None, ge=1, description="subsample the train split")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class RewardMergeParams(_Section):
+    check_pairs: int = Field(4, ge=1, description="pairs on which merged == unmerged P(Yes)")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class RewardEvalParams(_Section):
+    split: str = "test"
+    batch_size: int = Field(16, ge=1)
+    answer_variants: bool = Field(False, description="sum case/space variants of Yes and No")
+    instruction: Literal["theme", "rank"] = Field(
+        "theme", description="T2IS theme template (training layout) or the theme-free rank template"
+    )
+    baselines: list[Literal["base_zero_shot", "clip_i"]] = Field(
+        default_factory=lambda: ["base_zero_shot", "clip_i"]
+    )
+    editreward: str | None = Field(None, description="EditReward-Bench-format jsonl (optional)")
+    seed: int = 0
+
+# --------------------------------------------------------------------------------------------
 # resources
 # --------------------------------------------------------------------------------------------
 
@@ -197,6 +299,9 @@ class StageResources(_Section):
     cpus_per_task: int = Field(1, ge=1, description="CPU threads per task (cpus_per_gpu on GPUs)")
     mem_mb: int = Field(4000, ge=100)
     runtime: int = Field(30, ge=1, description="minutes")
+    accelerate_config: str = Field(
+        "cpu", description="workflow/accelerate/<name>.yaml for `accelerate launch` (cpu, ddp, zero2, fsdp)"
+    )
 
 
 class ResourcesParams(_Section):
@@ -218,6 +323,10 @@ class Params(_Section):
     composites: CompositesParams = Field(default_factory=CompositesParams)
     subfigures: SubfiguresParams = Field(default_factory=SubfiguresParams)
     pairs: PairsParams = Field(default_factory=PairsParams)
+    labels: LabelsParams = Field(default_factory=LabelsParams)
+    reward_train: RewardTrainParams = Field(default_factory=RewardTrainParams)
+    reward_merge: RewardMergeParams = Field(default_factory=RewardMergeParams)
+    reward_eval: RewardEvalParams = Field(default_factory=RewardEvalParams)
     resources: ResourcesParams = Field(default_factory=ResourcesParams)
 
 
