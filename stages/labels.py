@@ -1,0 +1,62 @@
+"""Stage ``labels``: chain-of-thought SFT targets for every pair -> ``sft.parquet``.
+
+A teacher (``labels.teacher.backend``: ``template`` offline measurements, ``openai`` any
+OpenAI-compatible endpoint, ``local`` a transformers VLM) justifies each pair's known label in
+1-3 numbered reasons; targets are ``Yes. <reason>...</reason>`` / ``No. ...`` (or bare
+``Yes.``/``No.`` with ``fast``). Resumable: finished chunks persist in ``--progress``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from paco import labels as L
+from paco.io import read_parquet, write_parquet
+from paco.params import Params
+from paco.stage import log, run, seed_everything
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pairs", type=Path, required=True, help="pairs.parquet")
+    p.add_argument("--panels", type=Path, required=True, help="panels.parquet")
+    p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet (themes)")
+    p.add_argument("--progress", type=Path, required=True, help="persisted per-chunk results (resume)")
+    p.add_argument("--out", type=Path, required=True, help="sft.parquet to write")
+    p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
+
+
+def _body(args: argparse.Namespace, params: Params) -> dict:
+    from paco.teacher import make_teacher
+
+    cfg = params.labels
+    seed_everything(cfg.seed)
+    teacher = make_teacher(cfg.teacher.model_dump())
+    pairs = read_parquet(args.pairs, required=["pair_id", "instance_id", "prompt_id", "split", "panel_a", "panel_b", "label"])
+    panels = read_parquet(args.panels, required=["panel_id", "image"])
+    prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
+    fp = L.fingerprint({"labels": cfg.model_dump()}, args.pairs, args.panels, args.prompts)
+    resumed = L.prepare_progress(args.progress, fp)
+    if resumed:
+        log.info("resuming: %d chunks already labelled (fingerprint %s)", resumed, fp)
+    table = L.join_pairs(pairs, panels, prompts)
+    sft = L.label_pairs(
+        table, teacher, args.progress, chunk_size=cfg.chunk_size,
+        progress=lambda it: tqdm(it, desc="labels", unit="chunk"),
+    )
+    write_parquet(args.out, sft, image_columns=["image_a", "image_b"])
+    metrics = L.summarise(sft)
+    metrics["resumed_chunks"] = resumed
+    log.info("labelled %d pairs: %d ok, %d failed", metrics["pairs"], metrics["ok"], metrics["failed"])
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run("labels", argv, _args, _body, description=__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

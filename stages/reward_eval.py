@@ -1,0 +1,106 @@
+"""Stage ``reward_eval``: ConsistencyRank evaluation of the trained judge and the baselines.
+
+On the held-out ranking instances (``reward_eval.split``) every candidate is scored against the
+reference with P(Yes)/(P(Yes)+P(No)) (trained judge ``paco_reward``, base judge zero-shot
+``base_zero_shot``) or CLIP-I cosine (``clip_i``); candidates are ordered by score and compared
+with the reference order: accuracy, Kendall tau, Spearman rho (reference-code and rank-vector
+definitions), top1-bottom1 (paper Table 2), with t-tests against chance and paired tests of the
+trained judge against each baseline. With ``reward_eval.editreward`` set, EditReward-style
+pairwise accuracies per dimension are added (paper Table 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+from paco import evaluation as E
+from paco.io import ArtifactError, read_parquet, write_parquet
+from paco.params import Params
+from paco.stage import log, run, seed_everything
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--judge", type=Path, required=True, help="merged judge directory")
+    p.add_argument("--base", type=Path, required=True, help="base judge directory (zero-shot baseline)")
+    p.add_argument("--clip", type=Path, required=True, help="clip model directory (CLIP-I baseline)")
+    p.add_argument("--instances", type=Path, required=True, help="rank_instances.parquet")
+    p.add_argument("--panels", type=Path, required=True, help="panels.parquet")
+    p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet (themes)")
+    p.add_argument("--predictions", type=Path, required=True, help="predictions.parquet to write")
+    p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
+
+
+def _body(args: argparse.Namespace, params: Params) -> dict:
+    from paco.clip import ClipScorer
+    from paco.judge import Judge
+    from paco.templates import judge_instruction
+
+    cfg = params.reward_eval
+    seed_everything(cfg.seed)
+    instances = read_parquet(args.instances, required=["instance_id", "prompt_id", "split", "ref_panel_id", "candidate_panel_ids", "ranking"])
+    instances = instances[instances["split"] == cfg.split].reset_index(drop=True)
+    if instances.empty:
+        raise ArtifactError(f"{args.instances}: no ranking instance in split {cfg.split!r}")
+    prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
+    theme = dict(zip(prompts["prompt_id"], prompts["global_prompt"], strict=True))
+    instruction_of = {
+        pid: judge_instruction(theme[pid] if cfg.instruction == "theme" else None) for pid in instances["prompt_id"].unique()
+    }
+    needed = set(instances["ref_panel_id"]) | {c for cands in instances["candidate_panel_ids"] for c in cands}
+    panels = E.decode_panels(read_parquet(args.panels, required=["panel_id", "image"]), needed)
+
+    judges = {"paco_reward": Judge.from_pretrained(args.judge, answer_variants=cfg.answer_variants, batch_size=cfg.batch_size)}
+    scorers = {"paco_reward": judges["paco_reward"].score}
+    if "base_zero_shot" in cfg.baselines:
+        judges["base_zero_shot"] = Judge.from_pretrained(args.base, answer_variants=cfg.answer_variants, batch_size=cfg.batch_size)
+        scorers["base_zero_shot"] = judges["base_zero_shot"].score
+    if "clip_i" in cfg.baselines:
+        clip = ClipScorer(args.clip)
+
+        def clip_i(triples):
+            a = clip.image_embeddings([t[0] for t in triples], batch_size=cfg.batch_size)
+            b = clip.image_embeddings([t[1] for t in triples], batch_size=cfg.batch_size)
+            return clip.cosine(a, b).tolist()
+
+        scorers["clip_i"] = clip_i
+
+    preds = {}
+    for name, scorer in scorers.items():
+        preds[name] = E.rank_predictions(
+            instances, panels, instruction_of, scorer, name,
+            progress=lambda it, name=name: tqdm(it, desc=f"eval {name}", unit="chunk"), chunk=4 * cfg.batch_size,
+        )
+    table = pd.concat(preds.values(), ignore_index=True)
+    write_parquet(args.predictions, table)
+    metrics = {
+        "split": cfg.split,
+        "instances": len(instances),
+        "prompts": int(instances["prompt_id"].nunique()),
+        "instruction": cfg.instruction,
+        "judges": {name: E.summarise_rankings(p) for name, p in preds.items()},
+        "paco_reward_vs": {
+            name: E.paired_comparison(preds["paco_reward"], p) for name, p in preds.items() if name != "paco_reward"
+        },
+    }
+    if cfg.editreward:
+        bench = E.read_edit_benchmark(cfg.editreward)
+        metrics["editreward"] = {
+            name: E.edit_accuracy(bench, j.score, j.score) for name, j in judges.items()
+        }
+    for name, m in metrics["judges"].items():
+        log.info("%-15s accuracy %.3f  tau %.3f  top1-bottom1 %.3f  (p vs chance %.2g)", name, m["accuracy"],
+                 m["kendall_tau"], m["top1_bottom1"], m["accuracy_vs_chance"].get("p_value", float("nan")))
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run("reward_eval", argv, _args, _body, description=__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Stage ``reward_merge``: merge the judge's LoRA adapter into the base -> ``model/``.
+
+``merge_and_unload`` folds the adapter into the base weights; the merged model is saved as
+safetensors with the processor, so ``transformers`` and ``vllm serve`` load it directly. The
+stage checks that the unmerged adapter, the merged model in memory and the merged model reloaded
+from disk give the same P(Yes) on ``reward_merge.check_pairs`` held-out pairs, within
+``MERGE_ATOL`` (float32) or ``MERGE_ATOL_BF16``, and fails otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from paco.io import ArtifactError, decode_image, read_parquet
+from paco.params import Params
+from paco.stage import log, run
+
+#: max |P(Yes) difference| between unmerged, merged and reloaded models (float32: only
+#: summation-order rounding of W + BA; bf16: rounding of the merged weights to 8 mantissa bits)
+MERGE_ATOL = 1e-4
+MERGE_ATOL_BF16 = 2e-2
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", type=Path, required=True, help="base judge directory")
+    p.add_argument("--adapter", type=Path, required=True, help="PEFT adapter directory")
+    p.add_argument("--sft", type=Path, required=True, help="sft.parquet (pairs for the check)")
+    p.add_argument("--out", type=Path, required=True, help="merged model directory to write")
+    p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
+
+
+def _body(args: argparse.Namespace, params: Params) -> dict:
+    import torch
+    from peft import PeftModel
+
+    from paco.judge import Judge
+    from paco.models.loading import load_judge
+
+    cfg = params.reward_merge
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    atol = MERGE_ATOL_BF16 if cfg.dtype == "bfloat16" else MERGE_ATOL
+    sft = read_parquet(args.sft, required=["pair_id", "split", "status", "instruction", "image_a", "image_b"])
+    ok = sft[sft["status"] == "ok"]
+    check = (ok[ok["split"] == "test"] if (ok["split"] == "test").any() else ok).head(cfg.check_pairs)
+    if check.empty:
+        raise ArtifactError(f"{args.sft}: no labelled pair to check the merge on")
+    triples = [
+        (decode_image(r.image_a, what=r.pair_id), decode_image(r.image_b, what=r.pair_id), r.instruction)
+        for r in check.itertuples()
+    ]
+    model, processor = load_judge(args.base, dtype=dtype)
+    peft_model = PeftModel.from_pretrained(model, str(args.adapter))
+    unmerged = Judge(peft_model, processor).score(triples)
+    merged_model = peft_model.merge_and_unload()
+    merged = Judge(merged_model, processor).score(triples)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
+    try:
+        merged_model.save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+        reloaded = Judge.from_pretrained(tmp, dtype=dtype).score(triples)
+        diffs = {
+            "merged_vs_unmerged": max(abs(a - b) for a, b in zip(unmerged, merged, strict=True)),
+            "reloaded_vs_unmerged": max(abs(a - b) for a, b in zip(unmerged, reloaded, strict=True)),
+        }
+        log.info("P(Yes) max abs differences: %s (tolerance %g)", diffs, atol)
+        if max(diffs.values()) > atol:
+            raise ArtifactError(f"merged judge disagrees with the adapter: {diffs} > {atol}")
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        tmp.rename(args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "check_pairs": len(triples),
+        "tolerance": atol,
+        "max_abs_diff": diffs,
+        "p_yes_unmerged": unmerged,
+        "dtype": cfg.dtype,
+        "parameters": sum(p.numel() for p in merged_model.parameters()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run("reward_merge", argv, _args, _body, description=__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
