@@ -38,6 +38,11 @@ class Stage:
         params: top-level ``params.yaml`` sections the stage reads.
         outs: output files; ``out_dirs``: output directories.
         metrics: metrics JSON files (also outputs).
+        persist: output directories kept across runs (checkpoints, resumable progress): DVC
+            ``persist: true``; Snakemake does not declare them (it would delete them first).
+        plots: DVC plot definitions (top-level ``plots:`` entries) for this stage's outputs.
+        launcher: ``python`` or ``accelerate`` (``accelerate launch`` with the stage's
+            ``resources`` process count and accelerate config).
     """
 
     name: str
@@ -48,12 +53,23 @@ class Stage:
     outs: tuple[str, ...] = ()
     out_dirs: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
+    persist: tuple[str, ...] = ()
+    plots: tuple[dict[str, Any], ...] = ()
+    launcher: str = "python"
     module: str = field(default="")
 
     @property
     def cmd(self) -> str:
         module = self.module or self.name
-        parts = [f"python -m stages.{module} --params {PARAMS_FILE}"]
+        if self.launcher == "accelerate":
+            res = f"resources.stages.{self.name}"
+            launch = (
+                f"accelerate launch --config_file workflow/accelerate/${{{res}.accelerate_config}}.yaml "
+                f"--num_processes ${{{res}.processes}} -m"
+            )
+        else:
+            launch = "python -m"
+        parts = [f"{launch} stages.{module} --params {PARAMS_FILE}"]
         parts += [f"{flag} {value}" for flag, value in self.args]
         return " ".join(parts)
 
@@ -141,6 +157,81 @@ STAGES: tuple[Stage, ...] = (
         outs=(_d("pairs", "rank_instances.parquet"), _d("pairs", "pairs.parquet")),
         metrics=(_d("pairs", "metrics.json"),),
     ),
+    Stage(
+        name="labels",
+        args=(
+            ("--pairs", _d("pairs", "pairs.parquet")),
+            ("--panels", _d("subfigures", "panels.parquet")),
+            ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--progress", _d("labels", "progress")),
+            ("--out", _d("labels", "sft.parquet")),
+            ("--metrics", _d("labels", "metrics.json")),
+        ),
+        deps=(_d("pairs", "pairs.parquet"), _d("subfigures", "panels.parquet"), _d("prompts", "prompts.parquet")),
+        code=COMMON_CODE + ("stages/labels.py", "paco/labels.py", "paco/teacher.py", "paco/templates.py"),
+        params=("labels",),
+        outs=(_d("labels", "sft.parquet"),),
+        persist=(_d("labels", "progress"),),
+        metrics=(_d("labels", "metrics.json"),),
+    ),
+    Stage(
+        name="reward_train",
+        launcher="accelerate",
+        args=(
+            ("--sft", _d("labels", "sft.parquet")),
+            ("--base", "data/models/judge_base"),
+            ("--adapter", _d("reward_train", "adapter")),
+            ("--checkpoints", _d("reward_train", "checkpoints")),
+            ("--plots", _d("reward_train", "plots")),
+            ("--metrics", _d("reward_train", "metrics.json")),
+        ),
+        deps=(_d("labels", "sft.parquet"), "data/models/judge_base"),
+        code=COMMON_CODE + ("stages/reward_train.py", "paco/reward_train.py", "paco/losses.py", "paco/judge.py"),
+        params=("reward_train",),
+        out_dirs=(_d("reward_train", "adapter"), _d("reward_train", "plots")),
+        persist=(_d("reward_train", "checkpoints"),),
+        metrics=(_d("reward_train", "metrics.json"),),
+    ),
+    Stage(
+        name="reward_merge",
+        args=(
+            ("--base", "data/models/judge_base"),
+            ("--adapter", _d("reward_train", "adapter")),
+            ("--sft", _d("labels", "sft.parquet")),
+            ("--out", _d("reward_merge", "model")),
+            ("--metrics", _d("reward_merge", "metrics.json")),
+        ),
+        deps=("data/models/judge_base", _d("reward_train", "adapter"), _d("labels", "sft.parquet")),
+        code=COMMON_CODE + ("stages/reward_merge.py", "paco/judge.py"),
+        params=("reward_merge",),
+        out_dirs=(_d("reward_merge", "model"),),
+        metrics=(_d("reward_merge", "metrics.json"),),
+    ),
+    Stage(
+        name="reward_eval",
+        args=(
+            ("--judge", _d("reward_merge", "model")),
+            ("--base", "data/models/judge_base"),
+            ("--clip", "data/models/clip"),
+            ("--instances", _d("pairs", "rank_instances.parquet")),
+            ("--panels", _d("subfigures", "panels.parquet")),
+            ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--predictions", _d("reward_eval", "predictions.parquet")),
+            ("--metrics", _d("reward_eval", "metrics.json")),
+        ),
+        deps=(
+            _d("reward_merge", "model"),
+            "data/models/judge_base",
+            "data/models/clip",
+            _d("pairs", "rank_instances.parquet"),
+            _d("subfigures", "panels.parquet"),
+            _d("prompts", "prompts.parquet"),
+        ),
+        code=COMMON_CODE + ("stages/reward_eval.py", "paco/evaluation.py", "paco/metrics.py", "paco/judge.py", "paco/clip.py"),
+        params=("reward_eval",),
+        outs=(_d("reward_eval", "predictions.parquet"),),
+        metrics=(_d("reward_eval", "metrics.json"),),
+    ),
 )
 
 
@@ -174,11 +265,15 @@ def render_dvc() -> dict[str, Any]:
     stages: dict[str, Any] = {}
     for s in STAGES:
         entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.all_deps), "params": list(s.params)}
-        entry["outs"] = list(s.out_dirs) + list(s.outs)
+        entry["outs"] = list(s.out_dirs) + list(s.outs) + [{p: {"persist": True}} for p in s.persist]
         if s.metrics:
             entry["metrics"] = list(s.metrics)
         stages[s.name] = entry
-    return {"stages": stages}
+    doc: dict[str, Any] = {"stages": stages}
+    plots = [p for s in STAGES for p in s.plots]
+    if plots:
+        doc["plots"] = plots
+    return doc
 
 
 def dump_dvc() -> str:
