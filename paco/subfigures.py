@@ -159,10 +159,12 @@ def _edge_run(a: np.ndarray, axis: int, start: int, stop: int, step: int, span: 
     return count
 
 
-def _trim(a: np.ndarray, rows: int, cols: int) -> tuple[int, int, int, int]:
+def _trim(a: np.ndarray, rows: int, cols: int, tolerance: float) -> tuple[int, int, int, int]:
     """Outer-border trim: the box ``(x0, y0, x1, y1)`` left after removing uniform edge bands.
 
     Rows are examined over the full width first, then columns over the rows that are left.
+    A side is trimmed by at most ``tolerance`` of the image extent (and :data:`_MAX_TRIM`): a
+    wider uniform edge band is flat panel content (a blurred or empty panel), not a border.
     Borders are taken to be symmetric: the deeper side of an axis is trimmed by at most 1 px
     more than the opposite side, so flat panel content at one edge (sky, a white background)
     of the border's colour is not mistaken for border.
@@ -171,7 +173,7 @@ def _trim(a: np.ndarray, rows: int, cols: int) -> tuple[int, int, int, int]:
     x0, y0, x1, y1 = 0, 0, w, h
     for axis in (0, 1):
         size, need, span = (h, rows, (x0, x1)) if axis == 0 else (w, cols, (y0, y1))
-        cap = int(_MAX_TRIM * size)
+        cap = int(min(_MAX_TRIM, tolerance) * size)
         lead = _edge_run(a, axis, 0, cap, +1, span)
         trail = _edge_run(a, axis, size - 1, size - 1 - cap, -1, span)
         lead, trail = min(lead, trail + 1), min(trail, lead + 1)
@@ -350,7 +352,7 @@ def split_grid(image: Image.Image, rows: int, cols: int, *, method: str = "refin
         raise ValueError(f"tolerance must be in (0, 0.5), got {tolerance!r}")
 
     a = _as_planar(image)
-    x0, y0, x1, y1 = _trim(a, rows, cols)
+    x0, y0, x1, y1 = _trim(a, rows, cols, tolerance)
     xspans = _refine_axis(a, 1, cols, (x0, x1), (y0, y1), tolerance)
     yspans = _refine_axis(a, 0, rows, (y0, y1), (x0, x1), tolerance)
     return [(xs, ys, xe, ye) for (ys, ye) in yspans for (xs, xe) in xspans]
