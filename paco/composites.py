@@ -12,7 +12,6 @@ truth (panel_bboxes, panel_levels, subject, drift_subject, drift_style).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -22,14 +21,14 @@ import pandas as pd
 
 from paco.io import ArtifactError, ImageDecodeError, decode_image, encode_image
 from paco.params import GenerateParams, ImportParams
+from paco.photos import stable_hash
 
 COMPOSITE_COLUMNS = ["composite_id", "prompt_id", "seed", "image", "height", "width"]
 
 
 def stable_seed(*parts: Any) -> int:
-    """A 63-bit integer seed from the parts' text (SHA-256), stable across processes and runs."""
-    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
+    """A 63-bit integer seed from the parts' text, stable across processes and runs."""
+    return stable_hash("\x1f".join(str(p) for p in parts)) >> 1
 
 
 def composite_id(prompt_id: str, seed: int) -> str:

@@ -90,6 +90,7 @@ from typing import Any
 import pandas as pd
 
 from paco.io import ArtifactError
+from paco.photos import SUBJECTS
 
 __all__ = [
     "PROMPT_COLUMNS",
@@ -123,10 +124,7 @@ T2IS_CATEGORIES = (
 
 #: Photo subject names a prompt's ``subject`` may take in the shipped prompt set
 #: (``data/raw/t2is_prompts.jsonl``): the real photographs the ``photos`` composite source uses.
-PHOTO_SUBJECTS = (
-    "astronaut", "cat", "coffee", "rocket", "grace_hopper", "motorcycle", "galaxies", "tissue",
-    "cameraman", "horse", "coins", "clock", "moon", "brick", "grass", "gravel",
-)
+PHOTO_SUBJECTS = tuple(SUBJECTS)
 
 SPLITS = ("train", "test")
 
