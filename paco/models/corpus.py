@@ -13,18 +13,13 @@ hashing, no randomness) and the trained tokenizers are reproducible.
 
 from __future__ import annotations
 
-#: The pairwise consistency prompt of PaCo-Reward (paper §3.1), verbatim.
-PAIRWISE_TEMPLATE = (
-    'Given two subfigures generated based on the theme: "{main_prompt}", do the two images '
-    "maintain consistency in terms of style, logic and identity? Answer \"Yes\" and \"No\" first, "
-    "and then provide detailed reasons."
-)
+from paco.templates import CRITERIA_COT, T2IS_THEME
 
-#: The criteria prompt (prompt-image alignment), verbatim.
-CRITERIA_TEMPLATE = (
-    "Do images meet the following criteria? {criteria} Please answer Yes or No first, then "
-    "provide detailed reasons."
-)
+#: The pairwise consistency prompt of PaCo-Reward (paper §3.1), from :mod:`paco.templates`.
+PAIRWISE_TEMPLATE = T2IS_THEME.text
+
+#: The criteria prompt (prompt-image alignment), from :mod:`paco.templates`.
+CRITERIA_TEMPLATE = CRITERIA_COT.text
 
 #: Grid panel tags used in FLUX grid prompts.
 PANEL_TAGS = (
