@@ -72,7 +72,10 @@ def join_pairs(pairs: pd.DataFrame, panels: pd.DataFrame, prompts: pd.DataFrame)
         ArtifactError: a pair names a panel or prompt that does not exist (names the pair_id).
     """
     images = dict(zip(panels["panel_id"], panels["image"], strict=True))
-    theme = dict(zip(prompts["prompt_id"], prompts["global_prompt"], strict=True))
+    theme = {
+        pid: (None if pd.isna(text) or not str(text).strip() else str(text))
+        for pid, text in zip(prompts["prompt_id"], prompts["global_prompt"], strict=True)
+    }
     rows = []
     for pair in pairs.sort_values("pair_id").to_dict("records"):
         for col in ("panel_a", "panel_b"):
@@ -83,8 +86,8 @@ def join_pairs(pairs: pd.DataFrame, panels: pd.DataFrame, prompts: pd.DataFrame)
         rows.append(
             {
                 **{k: pair[k] for k in ("pair_id", "instance_id", "prompt_id", "split", "label")},
-                "theme": theme[pair["prompt_id"]] or None,
-                "instruction": judge_instruction(theme[pair["prompt_id"]] or None),
+                "theme": theme[pair["prompt_id"]],
+                "instruction": judge_instruction(theme[pair["prompt_id"]]),
                 "image_a": images[pair["panel_a"]],
                 "image_b": images[pair["panel_b"]],
             }

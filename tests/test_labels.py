@@ -1,0 +1,108 @@
+"""labels: instruction/theme join, resumable chunks, failures kept and counted."""
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from paco import labels as L
+from paco.io import ArtifactError, encode_image
+from paco.teacher import TeacherResult, make_teacher
+from paco.templates import parse_response
+
+
+def tables(n_pairs=10):
+    rng = np.random.default_rng(0)
+    panels = pd.DataFrame(
+        {
+            "panel_id": [f"p{i}" for i in range(4)],
+            "image": [encode_image(Image.fromarray(rng.integers(0, 256, (48, 48, 3), dtype=np.uint8))) for _ in range(4)],
+        }
+    )
+    pairs = pd.DataFrame(
+        {
+            "pair_id": [f"x{i:02d}" for i in range(n_pairs)],
+            "instance_id": [f"i{i // 2}" for i in range(n_pairs)],
+            "prompt_id": ["a" if i < 6 else "b" for i in range(n_pairs)],
+            "split": ["train" if i < 6 else "test" for i in range(n_pairs)],
+            "panel_a": [f"p{i % 4}" for i in range(n_pairs)],
+            "panel_b": [f"p{(i + 1) % 4}" for i in range(n_pairs)],
+            "label": [i % 2 == 0 for i in range(n_pairs)],
+        }
+    )
+    prompts = pd.DataFrame({"prompt_id": ["a", "b"], "global_prompt": ["A red fox in snow", None]})
+    return pairs, panels, prompts
+
+
+def test_join_uses_theme_template_and_theme_free_fallback():
+    pairs, panels, prompts = tables()
+    t = L.join_pairs(pairs, panels, prompts)
+    assert t["pair_id"].tolist() == sorted(pairs["pair_id"])
+    assert '"A red fox in snow"' in t.loc[t.prompt_id == "a", "instruction"].iloc[0]
+    assert t.loc[t.prompt_id == "b", "instruction"].iloc[0].startswith("Do the two images")
+
+
+def test_missing_panel_names_the_pair():
+    pairs, panels, prompts = tables()
+    with pytest.raises(ArtifactError, match="pair x00: panel 'p0'"):
+        L.join_pairs(pairs, panels[panels.panel_id != "p0"], prompts)
+
+
+class CountingTeacher:
+    """Wraps a teacher, counts explained pairs, can fail on a given pair or interrupt."""
+
+    def __init__(self, fail=(), interrupt_after=None):
+        self.inner = make_teacher({"backend": "template"})
+        self.fail, self.interrupt_after, self.seen = set(fail), interrupt_after, 0
+
+    def describe(self):
+        return self.inner.describe()
+
+    def explain(self, items):
+        if self.interrupt_after is not None and self.seen >= self.interrupt_after:
+            raise KeyboardInterrupt
+        self.seen += len(items)
+        out = self.inner.explain(items)
+        return [TeacherResult(r.pair_id, False, [], "", "teacher said Maybe", 3, None) if r.pair_id in self.fail else r for r in out]
+
+
+def test_resume_after_interruption_and_failures_are_kept(tmp_path):
+    pairs, panels, prompts = tables()
+    table = L.join_pairs(pairs, panels, prompts)
+    progress = tmp_path / "progress"
+    fp = L.fingerprint({"x": 1}, *[])  # config only
+    assert L.prepare_progress(progress, fp) == 0
+    with pytest.raises(KeyboardInterrupt):
+        L.label_pairs(table, CountingTeacher(interrupt_after=8), progress, chunk_size=4)
+    assert L.prepare_progress(progress, fp) == 2  # two chunks of 4 were persisted
+    teacher = CountingTeacher(fail={"x09"})
+    sft = L.label_pairs(table, teacher, progress, chunk_size=4)
+    assert teacher.seen == 2, "a resumed run must only label the missing chunk"
+    assert list(sft.columns) == L.SFT_COLUMNS and len(sft) == 10
+    ok = sft[sft.status == "ok"]
+    for r in ok.itertuples():
+        label, reasons = parse_response(r.response)
+        assert label == r.label and 1 <= len(reasons) <= 3
+    # x09 is in the resumed chunk: its failure is recorded; chunks from before keep their rows
+    assert sft.loc[sft.status == "failed", "pair_id"].tolist() == ["x09"]
+    summary = L.summarise(sft)
+    assert (summary["ok"], summary["failed"]) == (9, 1)
+
+
+def test_failed_pair_is_recorded_not_relabelled(tmp_path):
+    pairs, panels, prompts = tables()
+    table = L.join_pairs(pairs, panels, prompts)
+    L.prepare_progress(tmp_path, "fp")
+    sft = L.label_pairs(table, CountingTeacher(fail={"x01"}), tmp_path, chunk_size=64)
+    row = sft.set_index("pair_id").loc["x01"]
+    assert row.status == "failed" and row.error == "teacher said Maybe" and pd.isna(row.response)
+    assert bool(row.label) is False  # the known label stays
+    assert L.summarise(sft)["failed"] == 1
+
+
+def test_changed_fingerprint_starts_over(tmp_path):
+    L.prepare_progress(tmp_path, "old")
+    (tmp_path / "chunk-00000.parquet").write_bytes(b"stale")
+    assert L.prepare_progress(tmp_path, "old") == 1
+    assert L.prepare_progress(tmp_path, "new") == 0
+    assert not (tmp_path / "chunk-00000.parquet").exists()
