@@ -186,9 +186,16 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("reward_train", "metrics.json")),
         ),
         deps=(_d("labels", "sft.parquet"), "data/models/judge_base"),
-        code=COMMON_CODE + ("stages/reward_train.py", "paco/reward_train.py", "paco/losses.py", "paco/judge.py"),
+        code=COMMON_CODE + (
+            "stages/reward_train.py", "paco/reward_train.py", "paco/losses.py", "paco/judge.py",
+            "paco/models/loading.py", "paco/templates.py",
+        ),
         params=("reward_train",),
         out_dirs=(_d("reward_train", "adapter"), _d("reward_train", "plots")),
+        plots=(
+            {_d("reward_train", "plots/train.csv"): {"x": "step", "y": ["loss", "first_token_accuracy", "lr"]}},
+            {_d("reward_train", "plots/eval.csv"): {"x": "epoch", "y": ["p_yes_accuracy", "first_token_accuracy", "loss"]}},
+        ),
         persist=(_d("reward_train", "checkpoints"),),
         metrics=(_d("reward_train", "metrics.json"),),
     ),

@@ -76,6 +76,10 @@ def _quiet() -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 
 
+#: factor on the tiny judge's randomly initialised output head (see ``_build_qwen2_5_vl``)
+LM_HEAD_INIT_SCALE = 10.0
+
+
 def _build_qwen2_5_vl(out_dir: Path, seed: int) -> None:
     from transformers import (
         GenerationConfig,
@@ -135,6 +139,12 @@ def _build_qwen2_5_vl(out_dir: Path, seed: int) -> None:
     assert sum(config.text_config.rope_parameters["mrope_section"]) * 2 == head_dim
     with _seeded(seed):
         model = Qwen2_5_VLForConditionalGeneration(config)
+        # A random lm_head with the default std (0.02) after RMSNorm caps every logit near
+        # +-2.6, so no token can exceed ~1% probability and the answer-token loss never
+        # saturates; a pretrained head has far larger rows. Scale it so the tiny judge can
+        # express a confident Yes/No (deterministic: a pure function of the seeded init).
+        with torch.no_grad():
+            model.lm_head.weight.mul_(LM_HEAD_INIT_SCALE)
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
