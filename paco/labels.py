@@ -65,8 +65,14 @@ def prepare_progress(progress_dir: Path, fp: str) -> int:
     return len(list(progress_dir.glob("chunk-*.parquet")))
 
 
-def join_pairs(pairs: pd.DataFrame, panels: pd.DataFrame, prompts: pd.DataFrame) -> pd.DataFrame:
+def join_pairs(
+    pairs: pd.DataFrame, panels: pd.DataFrame, prompts: pd.DataFrame, *, instruction: str = "theme"
+) -> pd.DataFrame:
     """Pairs with their two panel image cells, theme and judge instruction, sorted by pair_id.
+
+    ``instruction``: ``theme`` fills the T2IS theme template with the prompt's global
+    description (a prompt without one gets the theme-free template); ``rank`` always uses the
+    theme-free ConsistencyRank template.
 
     Raises:
         ArtifactError: a pair names a panel or prompt that does not exist (names the pair_id).
@@ -87,7 +93,7 @@ def join_pairs(pairs: pd.DataFrame, panels: pd.DataFrame, prompts: pd.DataFrame)
             {
                 **{k: pair[k] for k in ("pair_id", "instance_id", "prompt_id", "split", "label")},
                 "theme": theme[pair["prompt_id"]],
-                "instruction": judge_instruction(theme[pair["prompt_id"]]),
+                "instruction": judge_instruction(theme[pair["prompt_id"]] if instruction == "theme" else None),
                 "image_a": images[pair["panel_a"]],
                 "image_b": images[pair["panel_b"]],
             }

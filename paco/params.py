@@ -229,6 +229,9 @@ class TeacherParams(_Section):
 
 class LabelsParams(_Section):
     seed: int = 0
+    instruction: Literal["theme", "rank"] = Field(
+        "theme", description="T2IS theme template (paper) or the theme-free ConsistencyRank template"
+    )
     chunk_size: int = Field(64, ge=1, description="pairs per teacher call and per persisted chunk")
     teacher: TeacherParams = Field(default_factory=TeacherParams)
 

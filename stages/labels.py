@@ -42,7 +42,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     resumed = L.prepare_progress(args.progress, fp)
     if resumed:
         log.info("resuming: %d chunks already labelled (fingerprint %s)", resumed, fp)
-    table = L.join_pairs(pairs, panels, prompts)
+    table = L.join_pairs(pairs, panels, prompts, instruction=cfg.instruction)
     sft = L.label_pairs(
         table, teacher, args.progress, chunk_size=cfg.chunk_size,
         progress=lambda it: tqdm(it, desc="labels", unit="chunk"),

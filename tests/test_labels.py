@@ -106,3 +106,9 @@ def test_changed_fingerprint_starts_over(tmp_path):
     assert L.prepare_progress(tmp_path, "old") == 1
     assert L.prepare_progress(tmp_path, "new") == 0
     assert not (tmp_path / "chunk-00000.parquet").exists()
+
+
+def test_rank_instruction_ignores_the_theme():
+    pairs, panels, prompts = tables()
+    t = L.join_pairs(pairs, panels, prompts, instruction="rank")
+    assert t["instruction"].nunique() == 1 and t["instruction"].iloc[0].startswith("Do the two images")
