@@ -36,6 +36,9 @@ for _stage in STAGES:
         output:
             [directory(d) for d in _stage.out_dirs] + list(_stage.outs) + list(_stage.metrics),
         params:
+            # the command, bound now: a `shell:` expression is evaluated when the job runs,
+            # after this loop has moved on to the last stage
+            cmd=interpolate(_stage.cmd, config),
             # rerun trigger: a change of the stage's params sections reruns it, as in DVC
             sections={k: config.get(k) for k in _stage.params},
         threads: _res.get("cpus_per_task", 1)
@@ -45,4 +48,4 @@ for _stage in STAGES:
             cpus_per_task=_res.get("cpus_per_task", 1),
             **_gpu,
         shell:
-            interpolate(_stage.cmd, config)
+            "{params.cmd}"
