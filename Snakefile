@@ -4,43 +4,45 @@
 #   snakemake --cores 2                                   # local
 #   snakemake --profile workflow/profiles/slurm           # SLURM (executor plugin)
 #   snakemake --profile workflow/profiles/sbatch          # plain sbatch (cluster-generic)
+#
+# A foreach stage (grpo, sample) gives one rule per subtask: grpo_t2is is DVC's grpo@t2is.
 
-from workflow.registry import STAGES, interpolate
+from workflow.registry import STAGES
 
 configfile: "params.yaml"
 
-_resources = config.get("resources", {})
+MEMBERS = [m for s in STAGES for m in s.members(config)]
 
 
-def stage_resources(name):
-    """Per-stage resources from params.yaml `resources` (stage entry over `default`)."""
-    res = dict(_resources.get("default", {}))
-    res.update(_resources.get("stages", {}).get(name, {}))
-    return res
+def member_outputs(m):
+    s = m.stage
+    return [m.resolve(p, config) for p in list(s.out_dirs) + list(s.outs) + list(s.metrics) + list(s.plot_outs)]
 
 
 rule all:
     input:
-        [out for s in STAGES for out in list(s.out_dirs) + list(s.outs) + list(s.metrics)],
+        [out for m in MEMBERS for out in member_outputs(m)],
 
 
-for _stage in STAGES:
-    _res = stage_resources(_stage.name)
+for _m in MEMBERS:
+    _s = _m.stage
+    _res = _m.resources(config)
     _gpu = {"gpu": _res["gpus"], "cpus_per_gpu": _res.get("cpus_per_task", 1), "tasks_per_gpu": 0} if _res.get("gpus", 0) else {}
 
     rule:
         name:
-            _stage.name
+            _m.rule_name
         input:
-            [interpolate(d, config) for d in _stage.all_deps],
+            [_m.resolve(d, config) for d in _s.all_deps],
         output:
-            [directory(d) for d in _stage.out_dirs] + list(_stage.outs) + list(_stage.metrics),
+            [directory(_m.resolve(d, config)) for d in _s.out_dirs]
+            + [_m.resolve(p, config) for p in list(_s.outs) + list(_s.metrics) + list(_s.plot_outs)],
         params:
             # the command, bound now: a `shell:` expression is evaluated when the job runs,
             # after this loop has moved on to the last stage
-            cmd=interpolate(_stage.cmd, config),
+            cmd=_m.resolve(_s.cmd, config),
             # rerun trigger: a change of the stage's params sections reruns it, as in DVC
-            sections={k: config.get(k) for k in _stage.params},
+            sections=_m.params_sections(config),
         threads: _res.get("cpus_per_task", 1)
         resources:
             mem_mb=_res.get("mem_mb", 4000),

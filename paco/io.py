@@ -122,22 +122,26 @@ def write_parquet(
     df: pd.DataFrame,
     *,
     image_columns: Iterable[str] = (),
+    image_list_columns: Iterable[str] = (),
     schema: pa.Schema | None = None,
 ) -> None:
-    """Write ``df`` to Parquet atomically; ``image_columns`` are stored as ``IMAGE_TYPE``.
+    """Write ``df`` to Parquet atomically; ``image_columns`` are stored as ``IMAGE_TYPE``,
+    ``image_list_columns`` (lists of cells) as ``list<IMAGE_TYPE>``.
 
     Image columns must hold cells from :func:`encode_image`. The ``datasets`` feature metadata
-    is attached so Hugging Face ``datasets`` decodes them as images.
+    (``Image`` / ``Sequence(Image)``) is attached so Hugging Face ``datasets`` decodes them.
     """
     image_columns = list(image_columns)
+    image_list_columns = list(image_list_columns)
     table = pa.Table.from_pandas(df, preserve_index=False, schema=schema)
-    for name in image_columns:
+    for name, typ in [(n, IMAGE_TYPE) for n in image_columns] + [(n, pa.list_(IMAGE_TYPE)) for n in image_list_columns]:
         idx = table.schema.get_field_index(name)
         if idx < 0:
             raise ArtifactError(f"image column {name!r} is not in the table")
-        table = table.set_column(idx, pa.field(name, IMAGE_TYPE), table.column(name).cast(IMAGE_TYPE))
-    if image_columns:
-        features = {name: {"_type": "Image"} for name in image_columns}
+        table = table.set_column(idx, pa.field(name, typ), table.column(name).cast(typ))
+    if image_columns or image_list_columns:
+        features: dict[str, Any] = {name: {"_type": "Image"} for name in image_columns}
+        features.update({name: {"_type": "Sequence", "feature": {"_type": "Image"}} for name in image_list_columns})
         meta = dict(table.schema.metadata or {})
         meta[b"huggingface"] = json.dumps({"info": {"features": features}}).encode()
         table = table.replace_schema_metadata(meta)

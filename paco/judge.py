@@ -26,7 +26,8 @@ from PIL import Image
 from paco.losses import IGNORE_INDEX
 from paco.templates import NO, YES, build_messages, format_response
 
-_VARIANTS = {YES: ("Yes", "yes", "YES", " Yes", " yes", " YES"), NO: ("No", "no", "NO", " No", " no", " NO")}
+#: Case and leading-space variants of the answers, summed when ``answer_variants`` is on.
+ANSWER_VARIANTS = {YES: ("Yes", "yes", "YES", " Yes", " yes", " YES"), NO: ("No", "no", "NO", " No", " no", " NO")}
 
 
 class JudgeTokenizerError(ValueError):
@@ -69,7 +70,7 @@ def check_answer_tokens(tokenizer: Any, *, variants: bool = False) -> AnswerToke
                 )
         ids[word] = tok
         if variants:
-            for v in _VARIANTS[word][1:]:
+            for v in ANSWER_VARIANTS[word][1:]:
                 t = tokenizer.encode(v, add_special_tokens=False)
                 if len(t) == 1 and t[0] not in ids[word]:
                     ids[word].append(t[0])

@@ -290,6 +290,196 @@ class RewardEvalParams(_Section):
     seed: int = 0
 
 # --------------------------------------------------------------------------------------------
+# judge serving (the consistency reward of grpo / sample)
+# --------------------------------------------------------------------------------------------
+
+
+class JudgeServerParams(_Section):
+    """The local CPU judge server (``python -m paco.serve``), used when ``judge.url`` is null."""
+
+    max_batch_size: int = Field(32, ge=1, description="requests per forward pass")
+    max_wait_ms: float = Field(10.0, ge=0, description="wait for more requests after the first")
+    threads: int = Field(0, ge=0, description="torch threads of the server (0: torch's default)")
+    startup_timeout_s: float = Field(180.0, gt=0)
+    device: str = Field("auto", description="auto (cuda if available) | cpu | cuda | cuda:N")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_logprobs: int = Field(20, ge=1, description="largest top_logprobs served (vLLM's --max-logprobs)")
+
+
+class JudgeParams(_Section):
+    """How PaCo-GRPO reaches the PaCo-Reward judge (OpenAI-compatible, see ``paco.serve``).
+
+    ``url: null`` starts ``python -m paco.serve`` on the ``reward_merge`` model on a free
+    localhost port for the stage's lifetime; a URL (``http://host:8000/v1`` of ``vllm serve
+    <merged judge> --served-model-name <served_model_name>``) uses that server instead.
+    """
+
+    url: str | None = None
+    served_model_name: str = "paco-reward"
+    api_key_env: str | None = Field(None, description="NAME of the env variable holding the key")
+    instruction: Literal["theme", "rank"] = Field(
+        "theme", description="T2IS theme template (paper) or the theme-free template (as the judge was trained)"
+    )
+    answer_variants: bool = False
+    concurrency: int = Field(16, ge=1, description="requests in flight")
+    timeout_s: float = Field(60.0, gt=0)
+    retries: int = Field(3, ge=0)
+    backoff_s: float = Field(0.5, ge=0)
+    backoff_max_s: float = Field(8.0, ge=0)
+    top_logprobs: int = Field(20, ge=1, description="first tokens asked for; at most the server's --max-logprobs "
+                              "(vLLM and paco.serve default 20)")
+    server: JudgeServerParams = Field(default_factory=JudgeServerParams)
+
+
+# --------------------------------------------------------------------------------------------
+# grpo / sample (foreach over subtasks)
+# --------------------------------------------------------------------------------------------
+
+
+class PolicyLoraParams(_Section):
+    """LoRA on the FLUX transformer (paper: r64, alpha 128, attention, added projections and both
+    feed-forwards of the double-stream blocks)."""
+
+    rank: int = Field(64, ge=1)
+    alpha: float = Field(128.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: [
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+        "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ])
+
+
+class GrpoSampleParams(_Section):
+    """Trajectory sampling (Flow-GRPO)."""
+
+    num_steps: int = Field(10, ge=1, description="denoising steps N (paper 10)")
+    guidance_scale: float = Field(3.5, ge=0.0)
+    noise_level: float = Field(0.7, ge=0.0, description="a of the SDE steps (paper 0.7)")
+    sde_indices: list[int] = Field(default_factory=lambda: [1], description="steps taking the SDE step (paper [1])")
+    sigma_max: float = Field(0.98, gt=0.0, lt=1.0)
+    batch_size: int = Field(8, ge=1, description="trajectories per forward pass")
+    max_sequence_length: int = Field(512, ge=8, le=512)
+
+    @model_validator(mode="after")
+    def _indices(self) -> GrpoSampleParams:
+        bad = [i for i in self.sde_indices if not 0 <= i < self.num_steps]
+        if bad or not self.sde_indices or len(set(self.sde_indices)) != len(self.sde_indices):
+            raise ValueError(f"sde_indices {self.sde_indices} must be distinct steps in [0, num_steps={self.num_steps})")
+        return self
+
+
+class EmaParams(_Section):
+    enabled: bool = True
+    decay: float = Field(0.9, ge=0.0, lt=1.0, description="ema = decay * ema + (1 - decay) * lora")
+    update_every: int = Field(1, ge=1, description="optimizer steps between EMA updates")
+
+
+class GrpoTrainParams(_Section):
+    """The policy update (clipped surrogate + KL, paper §4 / Flow-GRPO)."""
+
+    resolution: int = Field(512, ge=16, description="sampling and training resolution (px, square-equivalent)")
+    learning_rate: float = Field(3e-4, gt=0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    gradient_steps_per_epoch: int = Field(2, ge=1, description="optimizer steps per epoch (paper 2)")
+    batch_size: int = Field(8, ge=1, description="transitions per forward/backward (per process)")
+    clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip eps (paper 1e-4)")
+    adv_clip_max: float = Field(5.0, gt=0)
+    beta: float = Field(0.0, ge=0, description="KL weight (paper 0; the KL is logged anyway)")
+    max_grad_norm: float = Field(1.0, gt=0)
+    global_std: bool = Field(True, description="normalise advantages by the batch std (reference default)")
+    ema: EmaParams = Field(default_factory=EmaParams)
+
+
+class AggregationParams(_Section):
+    method: Literal["weighted_sum", "log_tame", "log_tame_reference", "weighted_advantage_sum"] = "log_tame"
+    delta: float | Literal["mean", "median"] = Field(0.2, description="log-tame threshold on h = std/mean")
+
+
+class GrpoEvalParams(_Section):
+    """Evaluation at the high resolution with deterministic (ODE) sampling."""
+
+    resolution: int = Field(1024, ge=16)
+    num_steps: int = Field(20, ge=1)
+    every: int = Field(10, ge=1, description="epochs between evaluations (and after the last)")
+    split: str = "test"
+    max_prompts: int | None = Field(None, ge=1)
+    batch_size: int = Field(4, ge=1)
+
+
+class SubtaskResources(_Section):
+    """Launcher and SLURM resources of a foreach member (as ``resources.default``)."""
+
+    processes: int = Field(1, ge=1)
+    gpus: int = Field(0, ge=0)
+    cpus_per_task: int = Field(2, ge=1)
+    mem_mb: int = Field(6000, ge=100)
+    runtime: int = Field(60, ge=1, description="minutes")
+    accelerate_config: str = "cpu"
+
+
+class GrpoSubtaskParams(_Section):
+    """PaCo-GRPO for one subtask (``grpo.<subtask>``); the stage is ``grpo@<subtask>``."""
+
+    seed: int = 0
+    policy: str = Field("policy_t2is", description="models role of the policy")
+    split: str = Field("train", description="prompts sampled for training")
+    epochs: int = Field(100, ge=1)
+    prompts_per_epoch: int = Field(42, ge=1, description="K unique prompts per epoch (paper 42)")
+    group_size: int = Field(16, ge=2, description="G trajectories per prompt (paper 16)")
+    sample: GrpoSampleParams = Field(default_factory=GrpoSampleParams)
+    train: GrpoTrainParams = Field(default_factory=GrpoTrainParams)
+    lora: PolicyLoraParams = Field(default_factory=PolicyLoraParams)
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: {"consistency": 0.2, "clip_t": 1.0, "pickscore": 1.0},
+        description="reward name -> weight (paco.rewards.REWARDS)")
+    aggregation: AggregationParams = Field(default_factory=AggregationParams)
+    eval: GrpoEvalParams = Field(default_factory=GrpoEvalParams)
+    save_every: int = Field(10, ge=1, description="epochs between checkpoints")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    resources: SubtaskResources = Field(default_factory=SubtaskResources)
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        from paco.rewards import REWARDS
+
+        unknown = sorted(set(rewards) - set(REWARDS))
+        if unknown or not rewards:
+            raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REWARDS)}")
+        return rewards
+
+
+class SampleSubtaskParams(_Section):
+    """Final sampling for one subtask (``sample.<subtask>``): ODE sampling of the test prompts
+    with and without the trained LoRA (paper: 20 steps, guidance 3.5, 1024 px)."""
+
+    seed: int = 0
+    policy: str = "policy_t2is"
+    split: str = "test"
+    resolution: int = Field(1024, ge=16)
+    num_steps: int = Field(20, ge=1)
+    guidance_scale: float = Field(3.5, ge=0.0)
+    seeds_per_prompt: int = Field(1, ge=1)
+    batch_size: int = Field(4, ge=1)
+    max_sequence_length: int = Field(512, ge=8, le=512)
+    rewards: list[str] = Field(default_factory=lambda: ["consistency", "clip_t", "pickscore"])
+    resources: SubtaskResources = Field(default_factory=SubtaskResources)
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards(cls, rewards: list[str]) -> list[str]:
+        from paco.rewards import REWARDS
+
+        unknown = sorted(set(rewards) - set(REWARDS))
+        if unknown:
+            raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REWARDS)}")
+        return rewards
+
+
+# --------------------------------------------------------------------------------------------
 # resources
 # --------------------------------------------------------------------------------------------
 
@@ -330,7 +520,22 @@ class Params(_Section):
     reward_train: RewardTrainParams = Field(default_factory=RewardTrainParams)
     reward_merge: RewardMergeParams = Field(default_factory=RewardMergeParams)
     reward_eval: RewardEvalParams = Field(default_factory=RewardEvalParams)
+    judge: JudgeParams = Field(default_factory=JudgeParams)
+    grpo: dict[str, GrpoSubtaskParams] = Field(default_factory=lambda: {"t2is": GrpoSubtaskParams()})
+    sample: dict[str, SampleSubtaskParams] = Field(default_factory=lambda: {"t2is": SampleSubtaskParams()})
     resources: ResourcesParams = Field(default_factory=ResourcesParams)
+
+    @model_validator(mode="after")
+    def _subtasks(self) -> Params:
+        roles = self.models.roles()
+        for section in ("grpo", "sample"):
+            for key, cfg in getattr(self, section).items():
+                if cfg.policy not in roles:
+                    raise ValueError(f"{section}.{key}.policy: {cfg.policy!r} is not a models role {sorted(roles)}")
+        missing = sorted(set(self.sample) - set(self.grpo))
+        if missing:
+            raise ValueError(f"sample subtask(s) {missing} have no grpo entry (sample.<k> uses grpo.<k>'s LoRA)")
+        return self
 
 
 def _format_errors(exc: ValidationError) -> str:

@@ -57,15 +57,10 @@ Params (the ``labels.teacher`` section; :func:`make_teacher`, defaults in
 from __future__ import annotations
 
 import hashlib
-import http.client
-import json
 import math
 import re
-import socket
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -76,6 +71,7 @@ from typing import Any, Callable
 import numpy as np
 from PIL import Image
 
+from paco.http import PermanentHTTPError, TransientHTTPError, request_json
 from paco.templates import (
     NO,
     YES,
@@ -723,14 +719,6 @@ class TemplateTeacher(Teacher):
 # --------------------------------------------------------------------------------------------
 
 
-class _Transient(Exception):
-    """Connection error, timeout, 5xx/429/408: retried with backoff."""
-
-
-class _Permanent(Exception):
-    """Other 4xx: not retried."""
-
-
 class OpenAITeacher(Teacher):
     """Teacher behind an OpenAI-compatible ``/chat/completions`` endpoint.
 
@@ -804,38 +792,16 @@ class OpenAITeacher(Teacher):
         return {**super().describe(), "url": self.url, "model": self.model, "api_key_env": self.api_key_env}
 
     def _post(self, payload: dict[str, Any]) -> str:
-        data = json.dumps(payload).encode("utf-8")
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+        obj = request_json(self.url, payload, timeout_s=self.timeout_s, api_key=self._api_key)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            try:
-                detail = e.read()[:300].decode("utf-8", "replace")
-            except Exception:  # noqa: BLE001
-                detail = ""
-            msg = f"HTTP {e.code} from {self.url}: {detail}".rstrip(": ")
-            if e.code >= 500 or e.code in (408, 429):
-                raise _Transient(msg) from None
-            raise _Permanent(msg) from None
-        except urllib.error.URLError as e:
-            raise _Transient(f"cannot reach {self.url}: {e.reason}") from None
-        except (TimeoutError, socket.timeout) as e:
-            raise _Transient(f"timeout after {self.timeout_s:g}s from {self.url}: {e}") from None
-        except (ConnectionError, OSError, http.client.HTTPException) as e:
-            raise _Transient(f"connection error with {self.url}: {type(e).__name__}: {e}") from None
-        try:
-            obj = json.loads(body)
             content = obj["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise _Transient(f"malformed response from {self.url}: {body[:200]!r}") from None
+        except (KeyError, IndexError, TypeError):
+            raise TransientHTTPError(f"malformed response from {self.url}: {str(obj)[:200]}", url=self.url) from None
         if isinstance(content, list):  # content parts
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         if not isinstance(content, str):
-            raise _Transient(f"malformed response from {self.url}: content is {type(content).__name__}")
+            raise TransientHTTPError(f"malformed response from {self.url}: content is {type(content).__name__}",
+                                     url=self.url)
         return content
 
     def _one(self, item: PairItem) -> TeacherResult:
@@ -859,9 +825,9 @@ class OpenAITeacher(Teacher):
             }
             try:
                 raw = self._post(payload)
-            except _Permanent as e:
+            except PermanentHTTPError as e:
                 return self._fail(item, f"{e} (attempt {attempts}, not retried)", attempts, raw)
-            except _Transient as e:
+            except TransientHTTPError as e:
                 last_err = str(e)
                 if attempt < self.retries:
                     time.sleep(min(self.backoff_s * (2 ** transport_failures), self.backoff_max_s))

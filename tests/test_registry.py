@@ -25,14 +25,34 @@ def test_every_stage_declares_existing_code_and_params_sections():
         assert (ROOT / "stages" / f"{stage.name}.py").is_file()
         for dep in stage.code:
             assert (ROOT / dep).exists(), f"{stage.name}: code dep {dep} missing"
-        for section in stage.params:
-            assert section in params, f"{stage.name}: params section {section} missing"
-        # every placeholder resolves against params.yaml
-        for text in (stage.cmd, *stage.deps):
-            registry.interpolate(text, params)
+        members = stage.members(params)
+        assert members, stage.name
+        for m in members:
+            for key, value in m.params_sections(params).items():
+                assert value is not None, f"{m.dvc_name}: params key {key} missing"
+            # every placeholder resolves against params.yaml (and the foreach item)
+            for text in (stage.cmd, *stage.deps, *stage.outs, *stage.out_dirs, *stage.plot_outs):
+                assert "${" not in m.resolve(text, params), text
         # outputs live under data/<stage>/ (DESIGN.md §2)
-        for out in stage.outs + stage.out_dirs + stage.metrics:
+        for out in stage.outs + stage.out_dirs + stage.metrics + stage.plot_outs + stage.persist:
             assert out.startswith(f"data/{stage.name}/"), out
+
+
+def test_foreach_members_take_their_item():
+    params = {"grpo": {"a": {"policy": "p1", "resources": {"processes": 3, "accelerate_config": "ddp"}},
+                       "b": {"policy": "p2"}},
+              "resources": {"default": {"processes": 1, "gpus": 0}}}
+    stage = registry.by_name("grpo@a")
+    assert stage.name == "grpo"
+    a, b = stage.members(params)
+    assert (a.dvc_name, a.rule_name, b.dvc_name) == ("grpo@a", "grpo_a", "grpo@b")
+    assert "--num_processes 3" in a.resolve(stage.cmd, params)
+    assert "workflow/accelerate/ddp.yaml" in a.resolve(stage.cmd, params)
+    assert "data/models/p2" in b.resolve(" ".join(stage.deps), params)
+    assert a.resources(params)["processes"] == 3 and b.resources(params) == {"processes": 1, "gpus": 0}
+    assert a.params_sections({**params, "judge": {"x": 1}, "subfigures": {}})["grpo.a"]["policy"] == "p1"
+    with pytest.raises(KeyError, match="sample"):
+        registry.by_name("sample").members(params)
 
 
 def test_interpolate_is_strict():
@@ -45,7 +65,9 @@ def _dvc_edges() -> set[tuple[str, str]]:
     out = subprocess.run(
         [sys.executable, "-m", "dvc", "dag", "--dot"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
-    return set(re.findall(r'"?([\w@.-]+)"?\s*->\s*"?([\w@.-]+)"?', out))
+    # foreach members are grpo@t2is in DVC and rule grpo_t2is in Snakemake
+    edges = re.findall(r'"?([\w@.-]+)"?\s*->\s*"?([\w@.-]+)"?', out)
+    return {(a.replace("@", "_"), b.replace("@", "_")) for a, b in edges}
 
 
 def _snakemake_edges() -> set[tuple[str, str]]:
@@ -62,5 +84,7 @@ def test_dvc_and_snakemake_have_the_same_edges():
     dvc, smk = _dvc_edges(), _snakemake_edges()
     assert dvc, "dvc dag printed no edges"
     assert dvc == smk
-    names = {s.name for s in registry.STAGES}
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    names = {m.rule_name for s in registry.STAGES for m in s.members(params)}
     assert {n for e in dvc for n in e} == names
+    assert {"grpo_t2is", "sample_t2is"} <= names

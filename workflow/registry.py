@@ -9,6 +9,14 @@ interpolated by DVC from ``params.yaml`` and by the Snakefile from its ``configf
 Regenerate ``dvc.yaml`` after editing this file::
 
     python -m workflow.registry > dvc.yaml
+
+*foreach* stages (``grpo``, ``sample``) have one member per subtask: the keys of a params
+section (``grpo: {t2is: {...}, kontext_editing: {...}}``). DVC renders them as ``foreach:
+${grpo}`` with ``${key}`` (the subtask) and ``${item.<field>}`` (its params) in the command,
+deps and outs, and names the members ``grpo@t2is``; the Snakefile defines one rule per member,
+``grpo_t2is``, with the same command. Adding a subtask is adding a params entry: neither
+``dvc.yaml`` nor the Snakefile changes. A member's launcher settings and SLURM resources are its
+item's ``resources`` block (a plain stage's are ``resources.stages.<name>``).
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ class Stage:
         plots: DVC plot definitions (top-level ``plots:`` entries) for this stage's outputs.
         launcher: ``python`` or ``accelerate`` (``accelerate launch`` with the stage's
             ``resources`` process count and accelerate config).
+        foreach: the params section whose keys are the members (``None``: a plain stage).
+        stage_plots: DVC stage-level plots ``{path: {"x": col, "y": col}}`` (outputs; usable with
+            ``${key}`` in foreach stages, unlike the top-level ``plots``).
     """
 
     name: str
@@ -57,12 +68,14 @@ class Stage:
     plots: tuple[dict[str, Any], ...] = ()
     launcher: str = "python"
     module: str = field(default="")
+    foreach: str | None = None
+    stage_plots: tuple[dict[str, Any], ...] = ()
 
     @property
     def cmd(self) -> str:
         module = self.module or self.name
         if self.launcher == "accelerate":
-            res = f"resources.stages.{self.name}"
+            res = "item.resources" if self.foreach else f"resources.stages.{self.name}"
             launch = (
                 f"accelerate launch --config_file workflow/accelerate/${{{res}.accelerate_config}}.yaml "
                 f"--num_processes ${{{res}.processes}} -m"
@@ -76,6 +89,61 @@ class Stage:
     @property
     def all_deps(self) -> tuple[str, ...]:
         return self.deps + self.code
+
+    @property
+    def plot_outs(self) -> tuple[str, ...]:
+        return tuple(path for plot in self.stage_plots for path in plot)
+
+    def members(self, config: Mapping[str, Any]) -> list[Member]:
+        """The concrete stages: one for a plain stage, one per key of ``config[foreach]``.
+
+        Raises:
+            KeyError: the foreach section is missing from ``config``.
+        """
+        if self.foreach is None:
+            return [Member(self, self.name, self.name, None, None)]
+        if self.foreach not in config or not isinstance(config[self.foreach], Mapping):
+            raise KeyError(f"stage {self.name}: foreach section {self.foreach!r} not in params")
+        return [Member(self, f"{self.name}@{key}", f"{self.name}_{key}", str(key), item)
+                for key, item in config[self.foreach].items()]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One concrete stage: ``dvc_name`` (``grpo@t2is``), ``rule_name`` (``grpo_t2is``) and, for
+    a foreach member, its ``key`` and params ``item``."""
+
+    stage: Stage
+    dvc_name: str
+    rule_name: str
+    key: str | None
+    item: Any
+
+    def resolve(self, text: str, config: Mapping[str, Any]) -> str:
+        """``text`` with ``${key}``, ``${item.<path>}`` and ``${<params path>}`` replaced."""
+        if self.key is not None:
+            text = interpolate(text, {"key": self.key, "item": self.item}, keep_unknown=True)
+        return interpolate(text, config)
+
+    def resources(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """``resources.default`` updated by the stage's own resources."""
+        res_cfg = config.get("resources", {})
+        res = dict(res_cfg.get("default", {}))
+        if self.key is None:
+            res.update(res_cfg.get("stages", {}).get(self.stage.name, {}))
+        else:
+            res.update((self.item or {}).get("resources", {}))
+        return res
+
+    def params_sections(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Declared params keys (dotted) -> their values: a change of any reruns the member."""
+        out = {}
+        for key in self.stage.params:
+            node: Any = config
+            for part in self.resolve(key, {}).split("."):
+                node = node.get(part) if isinstance(node, Mapping) else None
+            out[self.resolve(key, {})] = node
+        return out
 
 
 def _d(stage: str, name: str) -> str:
@@ -242,15 +310,78 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
+GRPO_CODE = COMMON_CODE + (
+    "paco/policy.py", "paco/sde.py", "paco/rewards.py", "paco/judge_client.py", "paco/serve.py", "paco/judge.py",
+    "paco/http.py", "paco/clip.py", "paco/subfigures.py", "paco/templates.py", "paco/models/loading.py",
+)
+
+STAGES += (
+    Stage(
+        name="grpo",
+        foreach="grpo",
+        launcher="accelerate",
+        args=(
+            ("--subtask", "${key}"),
+            ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--policy", "data/models/${item.policy}"),
+            ("--judge", _d("reward_merge", "model")),
+            ("--clip", "data/models/clip"),
+            ("--lora", "data/grpo/${key}/lora"),
+            ("--checkpoints", "data/grpo/${key}/checkpoints"),
+            ("--plots", "data/grpo/${key}/plots"),
+            ("--metrics", "data/grpo/${key}/metrics.json"),
+        ),
+        deps=(_d("prompts", "prompts.parquet"), "data/models/${item.policy}", _d("reward_merge", "model"),
+              "data/models/clip"),
+        code=GRPO_CODE + ("stages/grpo.py", "paco/grpo.py", "paco/advantages.py"),
+        params=("grpo.${key}", "judge", "subfigures"),
+        out_dirs=("data/grpo/${key}/lora",),
+        persist=("data/grpo/${key}/checkpoints",),
+        metrics=("data/grpo/${key}/metrics.json",),
+        stage_plots=(
+            {"data/grpo/${key}/plots/train.csv": {"x": "epoch", "y": "reward"}},
+            {"data/grpo/${key}/plots/eval.csv": {"x": "epoch", "y": "reward"}},
+        ),
+    ),
+    Stage(
+        name="sample",
+        foreach="sample",
+        launcher="accelerate",
+        args=(
+            ("--subtask", "${key}"),
+            ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--policy", "data/models/${item.policy}"),
+            ("--lora", "data/grpo/${key}/lora"),
+            ("--judge", _d("reward_merge", "model")),
+            ("--clip", "data/models/clip"),
+            ("--out", "data/sample/${key}/samples.parquet"),
+            ("--sheets", "data/sample/${key}/sheets"),
+            ("--metrics", "data/sample/${key}/metrics.json"),
+        ),
+        deps=(_d("prompts", "prompts.parquet"), "data/models/${item.policy}", "data/grpo/${key}/lora",
+              _d("reward_merge", "model"), "data/models/clip"),
+        code=GRPO_CODE + ("stages/sample.py", "stages/grpo.py", "paco/sampling.py"),
+        params=("sample.${key}", "judge", "subfigures"),
+        outs=("data/sample/${key}/samples.parquet",),
+        out_dirs=("data/sample/${key}/sheets",),
+        metrics=("data/sample/${key}/metrics.json",),
+    ),
+)
+
+
 def by_name(name: str) -> Stage:
+    """The stage called ``name`` (a foreach member's ``grpo@t2is`` gives ``grpo``)."""
+    base = name.split("@", 1)[0]
     for stage in STAGES:
-        if stage.name == name:
+        if stage.name == base:
             return stage
     raise KeyError(f"no stage {name!r}; stages: {[s.name for s in STAGES]}")
 
 
-def interpolate(text: str, config: Mapping[str, Any]) -> str:
+def interpolate(text: str, config: Mapping[str, Any], *, keep_unknown: bool = False) -> str:
     """Replace ``${a.b.c}`` with ``config["a"]["b"]["c"]`` (what DVC does with params.yaml).
+
+    ``keep_unknown``: leave placeholders whose first part is not in ``config`` as they are.
 
     Raises:
         KeyError: a placeholder names a key that is not in ``config``.
@@ -258,7 +389,10 @@ def interpolate(text: str, config: Mapping[str, Any]) -> str:
 
     def value(match: re.Match[str]) -> str:
         node: Any = config
-        for key in match[1].split("."):
+        parts = match[1].split(".")
+        if keep_unknown and parts[0] not in config:
+            return match[0]
+        for key in parts:
             if not isinstance(node, Mapping) or key not in node:
                 raise KeyError(f"{match[0]}: {key!r} not in params")
             node = node[key]
@@ -275,7 +409,9 @@ def render_dvc() -> dict[str, Any]:
         entry["outs"] = list(s.out_dirs) + list(s.outs) + [{p: {"persist": True}} for p in s.persist]
         if s.metrics:
             entry["metrics"] = list(s.metrics)
-        stages[s.name] = entry
+        if s.stage_plots:
+            entry["plots"] = [dict(p) for p in s.stage_plots]
+        stages[s.name] = {"foreach": f"${{{s.foreach}}}", "do": entry} if s.foreach else entry
     doc: dict[str, Any] = {"stages": stages}
     plots = [p for s in STAGES for p in s.plots]
     if plots:

@@ -1,0 +1,296 @@
+"""Client of a served judge (``paco.serve`` on CPU, ``vllm serve`` on GPUs) and the lifecycle of
+a local judge server.
+
+The score of a pair is PaCo-Reward's ``P(Yes) / (P(Yes) + P(No))`` of the first generated token
+(paper §3.2), computed from the ``top_logprobs`` of a ``max_tokens: 1`` chat completion as the
+reference reward does (``get_yes_cond_prob_from_completion`` of X-GenGroup/PaCo-RL):
+``sigmoid(logprob(Yes) - logprob(No))``. When only one of the two answers is among the top
+tokens the other counts as impossible (log-prob ``-inf``: score 1 or 0), as in the reference;
+when neither is, the reply is an error (the reference returns 0.0 there; a judge that answers
+neither is not a judge that says "inconsistent").
+
+Failures never become scores: a request that still fails after ``retries`` retries with
+exponential backoff raises :class:`JudgeError` naming the URL and the HTTP status.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from paco.http import HTTPRequestError, request_json, with_retries
+from paco.judge import ANSWER_VARIANTS
+from paco.templates import NO, YES, build_openai_messages, png_bytes
+
+log = logging.getLogger("paco.judge_client")
+
+
+class JudgeError(RuntimeError):
+    """The judge could not be reached, rejected a request, or gave an unusable reply."""
+
+
+def yes_probability(top_logprobs: Sequence[dict[str, Any]], *, answer_variants: bool = False) -> float:
+    """``P(Yes) / (P(Yes) + P(No))`` from one position's ``top_logprobs`` entries.
+
+    Args:
+        top_logprobs: ``[{"token": str, "logprob": float}, ...]`` (OpenAI / vLLM layout).
+        answer_variants: sum the probabilities of case and leading-space variants
+            (:data:`paco.judge.ANSWER_VARIANTS`) instead of the exact tokens ``Yes``/``No``.
+
+    Returns:
+        A float in [0, 1].
+
+    Raises:
+        JudgeError: neither answer is among the tokens, or a log-prob is NaN.
+    """
+    yes_tokens = ANSWER_VARIANTS[YES] if answer_variants else (YES,)
+    no_tokens = ANSWER_VARIANTS[NO] if answer_variants else (NO,)
+    yes, no = [], []
+    for entry in top_logprobs:
+        token, lp = entry.get("token"), entry.get("logprob")
+        if not isinstance(lp, (int, float)) or math.isnan(lp):
+            raise JudgeError(f"invalid logprob {lp!r} for token {token!r}")
+        if token in yes_tokens:
+            yes.append(float(lp))
+        elif token in no_tokens:
+            no.append(float(lp))
+    if not yes and not no:
+        shown = [e.get("token") for e in top_logprobs][:8]
+        raise JudgeError(f"neither {YES!r} nor {NO!r} among the {len(top_logprobs)} top first tokens {shown}")
+    if not no:
+        return 1.0
+    if not yes:
+        return 0.0
+
+    def lse(v: list[float]) -> float:
+        m = max(v)
+        return m + math.log(sum(math.exp(x - m) for x in v))
+
+    d = lse(yes) - lse(no)
+    return 1.0 / (1.0 + math.exp(-d)) if d >= 0 else math.exp(d) / (1.0 + math.exp(d))
+
+
+def _root(base_url: str) -> str:
+    parsed = urllib.parse.urlparse(base_url)
+    return f"{parsed.scheme}://{parsed.netloc}"
+
+
+class JudgeClient:
+    """Scores (image A, image B, instruction) triples against an OpenAI-compatible judge.
+
+    Args:
+        base_url: ``http://host:port/v1``.
+        model: the served model name (``--served-model-name``).
+        concurrency: requests in flight at once (the server batches them).
+        timeout_s: per request.
+        retries, backoff_s, backoff_max_s: transient failures (connection refused, timeout, 5xx,
+            429) are retried ``retries`` times after ``min(backoff_s * 2**k, backoff_max_s)`` s.
+        top_logprobs: how many first tokens to ask for (vLLM allows up to 20).
+        answer_variants: see :func:`yes_probability`.
+        api_key: ``Authorization: Bearer`` (e.g. ``vllm serve --api-key``); ``None``: none.
+
+    Raises:
+        ValueError: a URL that is not http(s).
+    """
+
+    def __init__(self, base_url: str, model: str, *, concurrency: int = 8, timeout_s: float = 60.0,
+                 retries: int = 3, backoff_s: float = 0.5, backoff_max_s: float = 8.0, top_logprobs: int = 20,
+                 answer_variants: bool = False, api_key: str | None = None):
+        parsed = urllib.parse.urlparse(base_url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"judge url must be http(s)://host:port/v1, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.concurrency = max(1, int(concurrency))
+        self.timeout_s = float(timeout_s)
+        self.retries = int(retries)
+        self.backoff_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.top_logprobs = int(top_logprobs)
+        self.answer_variants = bool(answer_variants)
+        self._api_key = api_key
+        self.requests = 0
+
+    def __repr__(self) -> str:
+        return f"JudgeClient({self.base_url!r}, model={self.model!r})"
+
+    def _call(self, url: str, payload: dict[str, Any] | None = None) -> Any:
+        try:
+            return with_retries(
+                lambda: request_json(url, payload, timeout_s=self.timeout_s, api_key=self._api_key),
+                retries=self.retries, backoff_s=self.backoff_s, backoff_max_s=self.backoff_max_s,
+            )
+        except HTTPRequestError as exc:
+            status = f"HTTP status {exc.status}" if exc.status is not None else "no HTTP response"
+            raise JudgeError(f"judge request to {exc.url} failed ({status}): {exc}") from None
+
+    def served_models(self) -> list[str]:
+        """Model ids from ``GET /v1/models``.
+
+        Raises:
+            JudgeError: unreachable after the retries, or a malformed reply.
+        """
+        obj = self._call(f"{self.base_url}/models")
+        try:
+            return [str(m["id"]) for m in obj["data"]]
+        except (KeyError, TypeError) as exc:
+            raise JudgeError(f"malformed /models reply from {self.base_url}: {exc}") from None
+
+    def check_model(self) -> None:
+        """Raise :class:`JudgeError` unless the server serves ``model``."""
+        served = self.served_models()
+        if self.model not in served:
+            raise JudgeError(f"judge server {self.base_url} serves {served}, not {self.model!r} "
+                             "(check judge.served_model_name / --served-model-name)")
+
+    def health(self) -> dict[str, Any]:
+        """``GET /health`` at the server root (one try); raises :class:`JudgeError` if down."""
+        url = f"{_root(self.base_url)}/health"
+        try:
+            obj = request_json(url, timeout_s=min(self.timeout_s, 5.0))
+        except HTTPRequestError as exc:
+            raise JudgeError(f"judge health check {url} failed: {exc}") from None
+        return obj if isinstance(obj, dict) else {}
+
+    def _score_one(self, triple: tuple[Image.Image, Image.Image, str]) -> float:
+        a, b, text = triple
+        payload = {
+            "model": self.model,
+            "messages": build_openai_messages(png_bytes(a), png_bytes(b), text),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": True,
+            "top_logprobs": self.top_logprobs,
+        }
+        url = f"{self.base_url}/chat/completions"
+        obj = self._call(url, payload)
+        try:
+            top = obj["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise JudgeError(f"reply from {url} has no first-token top_logprobs ({exc!r}): {str(obj)[:200]}") from None
+        try:
+            return yes_probability(top, answer_variants=self.answer_variants)
+        except JudgeError as exc:
+            raise JudgeError(f"{url}: {exc}") from None
+
+    def score(self, triples: Sequence[tuple[Image.Image, Image.Image, str]]) -> list[float]:
+        """``P(Yes)/(P(Yes)+P(No))`` per triple, in input order, floats in [0, 1].
+
+        Raises:
+            JudgeError: any request failed for good (the first failure is raised; no score is
+                made up for it).
+        """
+        triples = list(triples)
+        self.requests += len(triples)
+        if not triples:
+            return []
+        if self.concurrency == 1 or len(triples) == 1:
+            return [self._score_one(t) for t in triples]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(triples))) as pool:
+            return list(pool.map(self._score_one, triples))
+
+
+class LocalJudgeServer:
+    """Run ``python -m paco.serve`` on a free localhost port for the duration of a ``with``.
+
+    ``__enter__`` starts the process, waits until ``/health`` answers (or the process dies, or
+    ``startup_timeout_s`` passes), checks that ``/v1/models`` lists ``served_model_name``, and
+    returns the base URL (``http://127.0.0.1:<port>/v1``). ``__exit__`` stops it (SIGTERM, then
+    SIGKILL after 10 s). The server's log goes to ``log_path`` (default: a temp file), whose tail
+    is quoted if it fails to start.
+
+    Raises:
+        JudgeError: the server did not come up or serves another name.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str], served_model_name: str, *, max_batch_size: int = 16,
+                 max_wait_ms: float = 10.0, threads: int = 0, startup_timeout_s: float = 120.0,
+                 log_path: str | os.PathLike[str] | None = None, device: str = "auto", dtype: str = "float32",
+                 max_logprobs: int = 20):
+        self.model_dir = Path(model_dir)
+        self.served_model_name = served_model_name
+        self.max_batch_size = max_batch_size
+        self.max_wait_ms = max_wait_ms
+        self.threads = threads
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = Path(log_path) if log_path else None
+        self.device = device
+        self.dtype = dtype
+        self.max_logprobs = max_logprobs
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def _log_tail(self) -> str:
+        try:
+            return "\n".join(self._log_file.read_text(errors="replace").splitlines()[-15:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> str:
+        self._tmp = tempfile.TemporaryDirectory(prefix="paco-judge-")
+        port_file = Path(self._tmp.name) / "port"
+        self._log_file = self.log_path or Path(self._tmp.name) / "server.log"
+        self._log_file.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "paco.serve", "--model", str(self.model_dir),
+               "--served-model-name", self.served_model_name, "--host", "127.0.0.1", "--port", "0",
+               "--port-file", str(port_file), "--max-batch-size", str(self.max_batch_size),
+               "--max-wait-ms", str(self.max_wait_ms), "--threads", str(self.threads), "--device", self.device,
+               "--dtype", self.dtype, "--max-logprobs", str(self.max_logprobs)]
+        # OpenMP threads that busy-wait between the server's small forward passes would steal the
+        # cores the trainer needs (and the other way round): make them sleep when idle.
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        with open(self._log_file, "ab") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                tail = self._log_tail()
+                self.__exit__(None, None, None)
+                raise JudgeError(f"judge server ({self.model_dir}) exited with code {self.proc.returncode} "
+                                 f"before it was ready; its log:\n{tail}")
+            if port_file.is_file() and port_file.read_text().strip():
+                self.url = f"http://127.0.0.1:{int(port_file.read_text())}/v1"
+                client = JudgeClient(self.url, self.served_model_name, retries=0, timeout_s=5.0)
+                try:
+                    if client.health().get("status") == "ok":
+                        break
+                except JudgeError:
+                    pass
+            if time.monotonic() > deadline:
+                tail = self._log_tail()
+                self.__exit__(None, None, None)
+                raise JudgeError(f"judge server ({self.model_dir}) not healthy after {self.startup_timeout_s:g} s; "
+                                 f"its log:\n{tail}")
+            time.sleep(0.2)
+        try:
+            JudgeClient(self.url, self.served_model_name, retries=2, timeout_s=10.0).check_model()
+        except JudgeError:
+            self.__exit__(None, None, None)
+            raise
+        log.info("judge server for %s up at %s (pid %d)", self.model_dir, self.url, self.proc.pid)
+        return self.url
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,189 @@
+"""Rewards for PaCo-GRPO on text-to-image sets: a registry of named functions, one float per
+composite image.
+
+=============  ===================================================================================
+name           what it measures (source)
+=============  ===================================================================================
+consistency    PaCo-Reward: the grid is cut into its ``rows x cols`` panels (the ``subfigures``
+               code, :func:`paco.subfigures.split_grid`), every panel pair ``(i, j)``, ``i < j``,
+               panel ``i`` first, is scored by the served judge with the T2IS theme template
+               (the prompt's global description as the theme) or the theme-free template, and the
+               scores are averaged (2x2: 6 pairs). Reference: ``consistency_scorer.py``
+               (``prompt_template_version=1``) of X-GenGroup/PaCo-RL. In [0, 1].
+clip_t         mean over panels of the CLIP cosine between panel ``k`` and its own panel prompt
+               (reference ``subfig_clipT.py``). In [-1, 1].
+pickscore      CLIP score of the whole grid against the whole prompt, ``logit_scale * cosine /
+               26`` (the reference's ``pickscore_scorer.py`` divides by 26 "to 0-1"); here the
+               pipeline's ``clip`` model stands in for PickScore_v1.
+=============  ===================================================================================
+
+A reward function never hides a failure: an unreachable judge raises
+:class:`paco.judge_client.JudgeError`, and a NaN or infinite value raises
+:class:`RewardError` naming the reward and the sample (:func:`compute_rewards`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from paco.subfigures import crop_panels, split_grid
+from paco.templates import judge_instruction
+
+#: The reference's PickScore normaliser ("norm to 0-1": ``scores / 26``).
+PICKSCORE_SCALE = 26.0
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed, or is not finite."""
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    """What the rewards need of a T2IS prompt (a ``prompts.parquet`` row)."""
+
+    prompt_id: str
+    prompt: str
+    global_prompt: str
+    rows: int
+    cols: int
+    panel_prompts: tuple[str, ...]
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> PromptInfo:
+        return cls(str(row["prompt_id"]), str(row["prompt"]), str(row.get("global_prompt") or ""),
+                   int(row["rows"]), int(row["cols"]), tuple(str(p) for p in row["panel_prompts"]))
+
+
+@dataclass
+class RewardContext:
+    """The models the rewards call.
+
+    Attributes:
+        judge: anything with ``score(triples) -> list[float]`` (a
+            :class:`paco.judge_client.JudgeClient`); needed by ``consistency``.
+        clip: a :class:`paco.clip.ClipScorer`; needed by ``clip_t`` and ``pickscore``.
+        instruction: ``theme`` (the T2IS theme template, paper) or ``rank`` (theme-free).
+        split_method, tolerance: how grids are cut (``subfigures`` params).
+    """
+
+    judge: Any = None
+    clip: Any = None
+    instruction: str = "theme"
+    split_method: str = "refine"
+    tolerance: float = 0.08
+
+    def panel_boxes(self, image: Image.Image, prompt: PromptInfo) -> list[tuple[int, int, int, int]]:
+        """The grid's ``rows x cols`` panel boxes (:func:`paco.subfigures.split_grid`)."""
+        return split_grid(image, prompt.rows, prompt.cols, method=self.split_method, tolerance=self.tolerance)
+
+    def panels(self, image: Image.Image, prompt: PromptInfo) -> list[Image.Image]:
+        """The grid's panels, row-major."""
+        return crop_panels(image, self.panel_boxes(image, prompt))
+
+
+RewardFn = Callable[[Sequence[Image.Image], Sequence[PromptInfo], RewardContext], np.ndarray]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Add a reward function to :data:`REWARDS` under ``name``."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} registered twice")
+        REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+def _need(obj: Any, what: str, reward: str) -> Any:
+    if obj is None:
+        raise RewardError(f"reward {reward!r} needs a {what}, none was given")
+    return obj
+
+
+@register("consistency")
+def consistency(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ctx: RewardContext) -> np.ndarray:
+    """Mean judge score over all panel pairs of each grid (see the module table).
+
+    Returns ``(n,)`` float64 in [0, 1]. Raises :class:`RewardError` for a grid of fewer than two
+    panels, :class:`paco.judge_client.JudgeError` when the judge fails.
+    """
+    judge = _need(ctx.judge, "judge", "consistency")
+    triples, owner = [], []
+    for i, (image, prompt) in enumerate(zip(images, prompts, strict=True)):
+        panels = ctx.panels(image, prompt)
+        if len(panels) < 2:
+            raise RewardError(f"consistency: prompt {prompt.prompt_id} has a {prompt.rows}x{prompt.cols} layout; "
+                              "pairs need at least two panels")
+        text = judge_instruction(prompt.global_prompt if ctx.instruction == "theme" else None)
+        for a, b in itertools.combinations(range(len(panels)), 2):
+            triples.append((panels[a], panels[b], text))
+            owner.append(i)
+    scores = np.asarray(judge.score(triples), dtype=np.float64)
+    if scores.shape != (len(triples),):
+        raise RewardError(f"consistency: the judge returned {scores.shape} scores for {len(triples)} pairs")
+    return np.bincount(owner, weights=scores, minlength=len(images)) / np.bincount(owner, minlength=len(images))
+
+
+@register("clip_t")
+def clip_t(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ctx: RewardContext) -> np.ndarray:
+    """Mean CLIP cosine of each panel with its own panel prompt; ``(n,)`` float64 in [-1, 1].
+
+    Raises :class:`RewardError` when a prompt's panel prompts do not match its layout."""
+    clip = _need(ctx.clip, "CLIP model", "clip_t")
+    panels, texts, owner = [], [], []
+    for i, (image, prompt) in enumerate(zip(images, prompts, strict=True)):
+        cut = ctx.panels(image, prompt)
+        if len(prompt.panel_prompts) != len(cut):
+            raise RewardError(f"clip_t: prompt {prompt.prompt_id} has {len(prompt.panel_prompts)} panel prompts "
+                              f"for {len(cut)} panels")
+        panels += cut
+        texts += list(prompt.panel_prompts)
+        owner += [i] * len(cut)
+    cos = clip.cosine(clip.image_embeddings(panels), clip.text_embeddings(texts)).double().numpy()
+    return np.bincount(owner, weights=cos, minlength=len(images)) / np.bincount(owner, minlength=len(images))
+
+
+@register("pickscore")
+def pickscore(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ctx: RewardContext) -> np.ndarray:
+    """``logit_scale * cosine(grid, prompt) / 26`` per grid; ``(n,)`` float64."""
+    clip = _need(ctx.clip, "CLIP model", "pickscore")
+    scores = clip.image_text_scores(list(images), [p.prompt for p in prompts]).double().numpy()
+    return scores / PICKSCORE_SCALE
+
+
+def compute_rewards(names: Sequence[str], images: Sequence[Image.Image], prompts: Sequence[PromptInfo],
+                    ctx: RewardContext) -> dict[str, np.ndarray]:
+    """Every reward in ``names`` for every image: name -> ``(n,)`` float64.
+
+    Raises:
+        KeyError: an unknown reward name (the message lists the registry).
+        RewardError: a reward returned the wrong shape or a non-finite value (the message names
+            the reward, the sample index and its prompt).
+        paco.judge_client.JudgeError: the judge failed (never replaced by a default score).
+    """
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
+    unknown = [n for n in names if n not in REWARDS]
+    if unknown:
+        raise KeyError(f"unknown reward(s) {unknown}; registered: {sorted(REWARDS)}")
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        values = np.asarray(REWARDS[name](images, prompts, ctx), dtype=np.float64)
+        if values.shape != (len(images),):
+            raise RewardError(f"reward {name!r} returned shape {values.shape} for {len(images)} images")
+        bad = np.flatnonzero(~np.isfinite(values))
+        if bad.size:
+            i = int(bad[0])
+            raise RewardError(f"reward {name!r} is {values[i]} for sample {i} (prompt {prompts[i].prompt_id}); "
+                              f"{bad.size} non-finite value(s) in all")
+        out[name] = values
+    return out

@@ -1,0 +1,363 @@
+"""Serve a PaCo-Reward judge over the OpenAI-compatible subset that vLLM exposes (CPU backend).
+
+At paper scale the judge is served by vLLM on GPUs::
+
+    vllm serve data/reward_merge/model --served-model-name paco-reward --port 8000
+
+and the GRPO stage is pointed at it with ``judge.url: http://<host>:8000/v1``. This module is
+the same protocol on a small transformers backend, for CPUs and tests::
+
+    python -m paco.serve --model data/reward_merge/model --served-model-name paco-reward --port 8000
+
+Endpoints:
+
+* ``POST /v1/chat/completions`` -- one user message whose content is two ``image_url`` items
+  (``data:image/png;base64,...`` or JPEG) and one ``text`` item, ``max_tokens`` (or
+  ``max_completion_tokens``) 1, ``logprobs: true``, ``top_logprobs`` from 0 to ``--max-logprobs``
+  (default 20, as vLLM's flag of the same name). The answer is the
+  greedy first token; ``choices[0].logprobs.content[0]`` carries its log-prob and the
+  ``top_logprobs`` most likely first tokens with their log-probs (``log_softmax`` of the
+  first-position logits, float32), as vLLM returns them. Only first-token scoring is served:
+  ``max_tokens > 1`` is a 400.
+* ``GET /v1/models`` -- the served model name.
+* ``GET /health`` -- 200 with ``{"status": "ok"}`` and counters (``requests``,
+  ``forward_passes``, ``max_batch``) once the model is loaded.
+
+Dynamic batching: request threads put their item in a queue; one worker thread takes the first
+waiting item, then keeps taking items until ``max_batch_size`` are collected or ``max_wait_ms``
+have passed since the first, and scores them in one forward pass
+(:meth:`paco.judge.Judge.first_token_logits`). Concurrent requests therefore share forward
+passes; ``/health``'s counters show how many.
+
+Errors: a malformed request is a 400 with the reason, an unknown model name a 404 (vLLM's
+behaviour), a failure in the forward pass a 500 for every request of that batch; the server
+keeps running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import json
+import logging
+import math
+import queue
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from paco.io import ImageDecodeError, decode_image
+
+log = logging.getLogger("paco.serve")
+
+#: The largest ``top_logprobs`` accepted by default (vLLM's default ``--max-logprobs``).
+MAX_TOP_LOGPROBS = 20
+
+
+class BadRequest(ValueError):
+    """The request does not follow the served protocol (HTTP 400, or ``status``)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Item:
+    triple: tuple[Any, Any, str]
+    top_k: int
+    future: Future = field(default_factory=Future)
+
+
+def _decode_data_url(url: Any, what: str):
+    if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
+        raise BadRequest(f"{what}: only data:image/...;base64 URLs are served")
+    try:
+        data = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"{what}: invalid base64 ({exc})") from None
+    try:
+        return decode_image(data, what=what)
+    except ImageDecodeError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def parse_chat_request(body: dict[str, Any], served_model_name: str, max_logprobs: int = MAX_TOP_LOGPROBS
+                       ) -> tuple[tuple[Any, Any, str], int]:
+    """Validate a ``/v1/chat/completions`` body; return ``((image A, image B, text), top_k)``.
+
+    Raises:
+        BadRequest: anything outside the served subset (status 404 for an unknown model).
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    model = body.get("model")
+    if model != served_model_name:
+        raise BadRequest(f"The model `{model}` does not exist (served: `{served_model_name}`).", status=404)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 1))
+    if max_tokens != 1:
+        raise BadRequest(f"this server scores the first token only: max_tokens must be 1, got {max_tokens!r}")
+    if body.get("n", 1) != 1:
+        raise BadRequest("n must be 1")
+    top_k = body.get("top_logprobs", 0) if body.get("logprobs") else 0
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= max_logprobs:
+        raise BadRequest(f"top_logprobs must be an integer in [0, {max_logprobs}], got {top_k!r}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or len(messages) != 1 or not isinstance(messages[0], dict):
+        raise BadRequest("messages must hold exactly one user message")
+    msg = messages[0]
+    if msg.get("role") != "user" or not isinstance(msg.get("content"), list):
+        raise BadRequest("the message must be a user turn with a content list")
+    images, texts = [], []
+    for part in msg["content"]:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            url = part.get("image_url", {}).get("url") if isinstance(part.get("image_url"), dict) else None
+            images.append(_decode_data_url(url, f"image {len(images) + 1}"))
+        elif kind == "text":
+            texts.append(part.get("text"))
+        else:
+            raise BadRequest(f"unsupported content part {kind!r}")
+    if len(images) != 2 or len(texts) != 1 or not isinstance(texts[0], str) or not texts[0].strip():
+        raise BadRequest(f"the content must be [image A, image B, text]; got {len(images)} image(s) and "
+                         f"{len(texts)} text(s)")
+    return (images[0], images[1], texts[0]), top_k
+
+
+class BatchingJudge:
+    """Scores queued requests in dynamic batches on one worker thread.
+
+    Args:
+        judge: a :class:`paco.judge.Judge` (its ``batch_size`` is not used here).
+        max_batch_size: at most this many requests per forward pass.
+        max_wait_ms: after the first request of a batch arrives, wait at most this long for more.
+    """
+
+    def __init__(self, judge: Any, *, max_batch_size: int = 16, max_wait_ms: float = 10.0):
+        if max_batch_size < 1 or max_wait_ms < 0:
+            raise ValueError("max_batch_size must be >= 1 and max_wait_ms >= 0")
+        self.judge = judge
+        self.tokenizer = judge.processor.tokenizer
+        self.max_batch_size = int(max_batch_size)
+        self.max_wait_s = float(max_wait_ms) / 1000.0
+        self.queue: queue.Queue[_Item | None] = queue.Queue()
+        self.requests = 0
+        self.forward_passes = 0
+        self.max_batch = 0
+        self._lock = threading.Lock()
+        self._token_text: dict[int, str] = {}
+        self._thread = threading.Thread(target=self._run, name="judge-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, triple: tuple[Any, Any, str], top_k: int) -> Future:
+        """Queue one request; the future resolves to ``(token_id, logprob, [(id, logprob), ...])``."""
+        item = _Item(triple, top_k)
+        with self._lock:
+            self.requests += 1
+        self.queue.put(item)
+        return item.future
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self._thread.join(timeout=10)
+
+    def token_text(self, token_id: int) -> str:
+        if token_id not in self._token_text:
+            self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return self._token_text[token_id]
+
+    def _collect(self, first: _Item) -> tuple[list[_Item], bool]:
+        batch, stop = [first], False
+        deadline = time.monotonic() + self.max_wait_s
+        while len(batch) < self.max_batch_size:
+            remaining = deadline - time.monotonic()
+            try:
+                item = self.queue.get(timeout=max(remaining, 0.0)) if remaining > 0 else self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+                break
+            batch.append(item)
+        return batch, stop
+
+    def _run(self) -> None:
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            batch, stop = self._collect(first)
+            try:
+                logits = self.judge.first_token_logits([it.triple for it in batch])
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                with self._lock:
+                    self.forward_passes += 1
+                    self.max_batch = max(self.max_batch, len(batch))
+                for row, it in zip(logprobs, batch, strict=True):
+                    k = min(max(it.top_k, 1), row.shape[-1])
+                    values, ids = torch.topk(row, k)
+                    top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+                    it.future.set_result((top[0][0], top[0][1], top[: it.top_k]))
+            except Exception as exc:  # noqa: BLE001 - every waiting request gets the error
+                log.exception("judge forward pass failed for a batch of %d", len(batch))
+                for it in batch:
+                    if not it.future.done():
+                        it.future.set_exception(exc)
+            if stop:
+                return
+
+
+def _logprob_entry(batcher: BatchingJudge, token_id: int, logprob: float) -> dict[str, Any]:
+    text = batcher.token_text(token_id)
+    lp = logprob if math.isfinite(logprob) else -9999.0
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def completion_response(batcher: BatchingJudge, served_model_name: str, result: tuple[int, float, list],
+                        request_id: int) -> dict[str, Any]:
+    """The ``chat.completion`` object for a scored request (vLLM's field layout)."""
+    token_id, logprob, top = result
+    entry = _logprob_entry(batcher, token_id, logprob)
+    entry["top_logprobs"] = [_logprob_entry(batcher, i, v) for i, v in top]
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": 0,
+        "model": served_model_name,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": entry["token"]},
+            "logprobs": {"content": [entry]},
+            "finish_reason": "length",
+        }],
+        "usage": {"completion_tokens": 1},
+    }
+
+
+def make_server(judge: Any, served_model_name: str, host: str = "127.0.0.1", port: int = 0, *,
+                max_batch_size: int = 16, max_wait_ms: float = 10.0, max_logprobs: int = MAX_TOP_LOGPROBS,
+                request_timeout_s: float = 300.0) -> ThreadingHTTPServer:
+    """An HTTP server (not yet serving) for ``judge``; ``server.batcher`` holds the counters.
+
+    ``port=0`` binds a free port (``server.server_address[1]``). Call ``serve_forever()``
+    (e.g. on a thread) and ``shutdown()`` + ``batcher.close()`` to stop.
+    """
+    batcher = BatchingJudge(judge, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
+    counter = iter(range(1, 1 << 62))
+    counter_lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _send(self, status: int, obj: dict[str, Any]) -> None:
+            data = json.dumps(obj).encode("utf-8")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str) -> None:
+            self._send(status, {"object": "error", "message": message, "code": status,
+                                "type": "BadRequestError" if status < 500 else "InternalServerError"})
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if self.path.rstrip("/") == "/health":
+                self._send(200, {"status": "ok", "model": served_model_name, "requests": batcher.requests,
+                                 "forward_passes": batcher.forward_passes, "max_batch": batcher.max_batch})
+            elif self.path.rstrip("/") == "/v1/models":
+                self._send(200, {"object": "list", "data": [
+                    {"id": served_model_name, "object": "model", "owned_by": "paco", "max_model_len": None}]})
+            else:
+                self._error(404, f"no route {self.path}")
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path.rstrip("/") != "/v1/chat/completions":
+                self._error(404, f"no route {self.path}")
+                return
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+                body = json.loads(self.rfile.read(length) or b"null")
+                triple, top_k = parse_chat_request(body, served_model_name, max_logprobs)
+            except BadRequest as exc:
+                self._error(exc.status, str(exc))
+                return
+            except (ValueError, UnicodeDecodeError) as exc:
+                self._error(400, f"invalid JSON body ({exc})")
+                return
+            try:
+                result = batcher.submit(triple, top_k).result(timeout=request_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - reported to the client as a 500
+                self._error(500, f"judge failed: {type(exc).__name__}: {exc}")
+                return
+            with counter_lock:
+                rid = next(counter)
+            self._send(200, completion_response(batcher, served_model_name, result, rid))
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    server.batcher = batcher  # type: ignore[attr-defined]
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m paco.serve", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="merged judge directory (reward_merge output) or any judge dir")
+    p.add_argument("--served-model-name", required=True, help="the `model` name clients must send")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (see --port-file)")
+    p.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-wait-ms", type=float, default=10.0)
+    p.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS, help="largest top_logprobs served")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    from paco.judge import Judge
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    judge = Judge.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=device)
+    server = make_server(judge, args.served_model_name, args.host, args.port,
+                         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
+                         max_logprobs=args.max_logprobs)
+    host, port = server.server_address[:2]
+    log.info("serving %s as %r on http://%s:%d/v1 (batch <= %d, wait <= %g ms)", args.model,
+             args.served_model_name, host, port, args.max_batch_size, args.max_wait_ms)
+    if args.port_file:
+        from paco.io import atomic_write_bytes
+
+        atomic_write_bytes(args.port_file, str(port).encode())
+
+    def _stop(signum: int, frame: Any) -> None:
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.batcher.close()  # type: ignore[attr-defined]
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Stage ``sample@<subtask>``: final ODE samples of the test prompts with and without the LoRA.
+
+::
+
+    accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.sample \\
+        --params params.yaml --subtask t2is --prompts data/prompts/prompts.parquet \\
+        --policy data/models/policy_t2is --lora data/grpo/t2is/lora --judge data/reward_merge/model \\
+        --clip data/models/clip --out data/sample/t2is/samples.parquet --sheets data/sample/t2is/sheets \\
+        --metrics data/sample/t2is/metrics.json
+
+Params ``sample.<subtask>`` (:class:`paco.params.SampleSubtaskParams`), ``judge`` (served like in
+``grpo@<subtask>``), ``subfigures``. Writes ``samples.parquet`` (one row per grid and variant:
+the grid, its panels, their boxes, every reward), ``sheets/base.png`` and ``sheets/lora.png``
+(contact sheets) and ``metrics.json`` (each reward with and without the LoRA).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see stages/grpo.py
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from paco.io import ArtifactError, atomic_write_bytes, read_parquet, write_parquet  # noqa: E402
+from paco.params import Params  # noqa: E402
+from paco.stage import log, run  # noqa: E402
+from stages.grpo import judge_endpoint, make_accelerator, make_reward_context, subtask_params  # noqa: E402
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--subtask", required=True, help="key of params.yaml sample.<subtask>")
+    p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet")
+    p.add_argument("--policy", type=Path, required=True, help="policy model directory (models stage)")
+    p.add_argument("--lora", type=Path, required=True, help="LoRA directory (grpo stage)")
+    p.add_argument("--judge", type=Path, required=True, help="merged judge directory (reward_merge)")
+    p.add_argument("--clip", type=Path, required=True, help="CLIP model directory (models stage)")
+    p.add_argument("--out", type=Path, required=True, help="samples.parquet to write")
+    p.add_argument("--sheets", type=Path, required=True, help="directory for the contact sheets")
+    p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
+
+
+def _body(args: argparse.Namespace, params: Params) -> dict:
+    import io
+
+    from paco.judge_client import JudgeError
+    from paco.rewards import RewardError
+    from paco.sampling import final_samples
+
+    cfg = subtask_params(params, "sample", args.subtask)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
+    if not (args.lora / "pytorch_lora_weights.safetensors").is_file():
+        raise ArtifactError(f"{args.lora}: no pytorch_lora_weights.safetensors (run grpo@{args.subtask})")
+    prompts = read_parquet(args.prompts, required=["prompt_id", "split", "prompt", "rows", "cols", "panel_prompts",
+                                                   "height", "width"])
+    accelerator = make_accelerator()
+    try:
+        with judge_endpoint(params, args.judge, accelerator, None) as url:
+            ctx = make_reward_context(params, url, args.clip)
+            table, sheets, metrics = final_samples(cfg, prompts, args.policy, args.lora, ctx,
+                                                   rank=accelerator.process_index, world=accelerator.num_processes,
+                                                   accelerator=accelerator)
+    except (JudgeError, RewardError) as exc:
+        raise ArtifactError(f"sample@{args.subtask}: {exc}") from exc
+    if not accelerator.is_main_process:
+        args.metrics = None
+        return {}
+    write_parquet(args.out, table, image_columns=["image"], image_list_columns=["panels"])
+    tmp = args.sheets.with_name(f".{args.sheets.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for variant, sheet in sheets.items():
+        buf = io.BytesIO()
+        sheet.save(buf, format="PNG")
+        atomic_write_bytes(tmp / f"{variant}.png", buf.getvalue())
+    shutil.rmtree(args.sheets, ignore_errors=True)
+    os.replace(tmp, args.sheets)
+    for name, r in metrics["rewards"].items():
+        log.info("sample@%s %-12s base %.4f -> lora %.4f (diff %+.4f, improved %.0f%%, p=%s)", args.subtask, name,
+                 r["base_mean"], r["lora_mean"], r["lora_minus_base"], 100 * r["improved_fraction"],
+                 r.get("paired_t_p_value"))
+    metrics.update({"subtask": args.subtask, "resolution": cfg.resolution, "num_steps": cfg.num_steps,
+                    "guidance_scale": cfg.guidance_scale})
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run("sample", argv, _args, _body, description=__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
