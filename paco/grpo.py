@@ -463,7 +463,7 @@ def train_grpo(
     pipe = load_flux_pipeline(policy_dir, dtype=dtype)
     pipe.to(device)
     policy = FluxPolicy(pipe, cfg.lora, max_sequence_length=cfg.sample.max_sequence_length,
-                        guidance_scale=cfg.sample.guidance_scale)
+                        guidance_scale=cfg.sample.guidance_scale, seed=stable_seed(cfg.seed, "lora"))
     trained = policy.adapter_parameters(TRAINED_ADAPTER)
     with torch.no_grad():  # LoRA weights stay float32 (bf16 base on GPUs)
         for p in list(trained.values()) + list(policy.adapter_parameters(OLD_ADAPTER).values()):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,13 +97,15 @@ class FluxPolicy:
             suffixes); ``None``: no adapters (a frozen policy for plain sampling).
         max_sequence_length: T5 tokens (FLUX.1-dev: 512).
         guidance_scale: the guidance embedding value (FLUX.1-dev is guidance-distilled: 3.5).
+        seed: seeds the LoRA ``A`` init (drawn under ``torch.random.fork_rng``, so the global RNG
+            is untouched and the same seed gives the same adapter in any process).
 
     Raises:
         ValueError: a LoRA target matches no module of the transformer.
     """
 
     def __init__(self, pipe: Any, lora: Any | None, *, max_sequence_length: int = 512,
-                 guidance_scale: float = 3.5):
+                 guidance_scale: float = 3.5, seed: int = 0):
         self.pipe = pipe
         self.transformer = pipe.transformer
         self.max_sequence_length = int(max_sequence_length)
@@ -120,8 +123,12 @@ class FluxPolicy:
                 raise ValueError(f"LoRA target modules {unmatched} match no module of the FLUX transformer")
             config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                 init_lora_weights="gaussian", target_modules=list(lora.target_modules))
-            self.transformer.add_adapter(config, adapter_name=TRAINED_ADAPTER)
-            self.transformer.add_adapter(config, adapter_name=OLD_ADAPTER)
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                # peft warns that a second adapter joins the first: that is the point here
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                torch.manual_seed(int(seed))
+                self.transformer.add_adapter(config, adapter_name=TRAINED_ADAPTER)
+                self.transformer.add_adapter(config, adapter_name=OLD_ADAPTER)
             self.copy_adapter(TRAINED_ADAPTER, OLD_ADAPTER)
             self.set_adapter(TRAINED_ADAPTER)
 

@@ -16,9 +16,10 @@ qwen2_5_vl     ``Qwen2_5_VLForConditionalGeneration`` (text 2 layers x 128, visi
                64, patch 14, merge 2) + processor (image-only, PIL image processor resizing to
                at most 112x112 px: a 128 px panel -> 8x8 patches -> 16 visual tokens)
 flux           ``FluxPipeline`` layout: ``transformer`` (1 double + 1 single block, 2 heads x
-               16), ``vae`` (``AutoencoderKL``, 16 latent channels, scale factor 8),
-               ``text_encoder`` (CLIP text), ``text_encoder_2`` (T5 encoder), ``tokenizer``,
-               ``tokenizer_2``, ``scheduler`` (flow matching, dynamic shifting)
+               16), ``vae`` (``AutoencoderKL``, 16 latent channels, scale factor 8, one
+               GroupNorm group, see ``_build_flux``), ``text_encoder`` (CLIP text),
+               ``text_encoder_2`` (T5 encoder), ``tokenizer``, ``tokenizer_2``, ``scheduler``
+               (flow matching, dynamic shifting)
 clip           ``CLIPModel`` (text + vision, projection 64, 32 px images) + ``CLIPProcessor``
 =============  ===============================================================================
 """
@@ -290,7 +291,10 @@ def _build_flux(out_dir: Path, seed: int) -> None:
             block_out_channels=(8, 8, 16, 16),  # 4 levels -> vae_scale_factor 8 as in FLUX
             layers_per_block=1,
             latent_channels=16,
-            norm_num_groups=8,
+            # One GroupNorm group: with a group per channel (InstanceNorm on the 8-channel last
+            # level) every decoded image has the same per-channel mean, so no policy can change
+            # the global colour a reward sees; one group keeps only the overall normalisation.
+            norm_num_groups=1,
             sample_size=128,
             scaling_factor=0.3611,
             shift_factor=0.1159,

@@ -1,0 +1,89 @@
+"""Reward registry: panel pairs sent to the judge, CLIP-T and PickScore against direct computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from paco.clip import ClipScorer
+from paco.rewards import PICKSCORE_SCALE, REWARDS, PromptInfo, RewardContext, RewardError, compute_rewards
+from paco.templates import judge_instruction
+
+
+class RecordingJudge:
+    """Scores a pair by the mean red value of panel A (a deterministic stand-in); records calls."""
+
+    def __init__(self):
+        self.calls: list[list[tuple]] = []
+
+    def score(self, triples):
+        self.calls.append(list(triples))
+        return [float(np.asarray(a)[..., 0].mean() / 255) for a, _, _ in triples]
+
+
+def _grid(colours: list[tuple[int, int, int]], rows: int, cols: int, cell: int = 32) -> Image.Image:
+    im = Image.new("RGB", (cols * cell, rows * cell))
+    for k, c in enumerate(colours):
+        r, q = divmod(k, cols)
+        im.paste(Image.new("RGB", (cell, cell), c), (q * cell, r * cell))
+    return im
+
+
+def _prompt(pid: str, rows: int, cols: int) -> PromptInfo:
+    n = rows * cols
+    return PromptInfo(pid, f"grid {pid}", f"the theme of {pid}", rows, cols, tuple(f"panel {k}" for k in range(n)))
+
+
+def test_consistency_scores_every_panel_pair_in_order_and_averages():
+    reds = [0, 60, 120, 240]
+    grid = _grid([(r, 0, 0) for r in reds], 2, 2)
+    strip = _grid([(30, 0, 0), (90, 0, 0), (150, 0, 0)], 1, 3)
+    judge = RecordingJudge()
+    ctx = RewardContext(judge=judge, instruction="theme", split_method="equal")
+    out = compute_rewards(["consistency"], [grid, strip], [_prompt("a", 2, 2), _prompt("b", 1, 3)], ctx)
+    (triples,) = judge.calls  # one call for all images: the client can batch every pair
+    assert len(triples) == 6 + 3
+    assert {t[2] for t in triples[:6]} == {judge_instruction("the theme of a")}
+    # pairs (i, j), i < j, panel i first: panel A of the 6 pairs of the 2x2 grid is 0,0,0,1,1,2
+    first = [round(float(np.asarray(a)[..., 0].mean())) for a, _, _ in triples[:6]]
+    assert first == [reds[i] for i in (0, 0, 0, 1, 1, 2)]
+    np.testing.assert_allclose(out["consistency"], [np.mean([reds[i] for i in (0, 0, 0, 1, 1, 2)]) / 255,
+                                                    np.mean([30, 30, 90]) / 255])
+    ctx.instruction = "rank"
+    compute_rewards(["consistency"], [grid], [_prompt("a", 2, 2)], ctx)
+    assert judge.calls[-1][0][2] == judge_instruction(None)
+
+
+def test_clip_rewards_match_direct_clip_computation(tiny_model_dirs):
+    clip = ClipScorer(tiny_model_dirs["clip"])
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)) for _ in range(2)]
+    prompts = [_prompt("a", 2, 2), _prompt("b", 2, 2)]
+    ctx = RewardContext(clip=clip, split_method="equal")
+    out = compute_rewards(["clip_t", "pickscore"], images, prompts, ctx)
+    for i, (im, p) in enumerate(zip(images, prompts)):
+        panels = ctx.panels(im, p)
+        cos = [float(ClipScorer.cosine(clip.image_embeddings([c]), clip.text_embeddings([t]))[0])
+               for c, t in zip(panels, p.panel_prompts)]
+        assert out["clip_t"][i] == pytest.approx(np.mean(cos), abs=1e-5)
+        direct = clip.logit_scale * float(ClipScorer.cosine(clip.image_embeddings([im]), clip.text_embeddings([p.prompt]))[0])
+        assert out["pickscore"][i] == pytest.approx(direct / PICKSCORE_SCALE, abs=1e-5)
+
+
+def test_reward_errors_are_raised_not_defaulted():
+    grid = _grid([(0, 0, 0)] * 4, 2, 2)
+    with pytest.raises(KeyError, match="registered"):
+        compute_rewards(["no_such_reward"], [grid], [_prompt("a", 2, 2)], RewardContext())
+    with pytest.raises(RewardError, match="needs a judge"):
+        compute_rewards(["consistency"], [grid], [_prompt("a", 2, 2)], RewardContext())
+    with pytest.raises(RewardError, match="at least two panels"):
+        compute_rewards(["consistency"], [grid], [_prompt("a", 1, 1)], RewardContext(judge=RecordingJudge()))
+
+    class NanJudge:
+        def score(self, triples):
+            return [float("nan")] * len(triples)
+
+    with pytest.raises(RewardError, match="consistency.*nan.*prompt a"):
+        compute_rewards(["consistency"], [grid], [_prompt("a", 2, 2)], RewardContext(judge=NanJudge()))
+    assert {"consistency", "clip_t", "pickscore"} <= set(REWARDS)
