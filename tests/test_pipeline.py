@@ -20,6 +20,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
+#: the stated GRPO margin: last-epochs minus first-epochs mean training reward (embedded default)
+GRPO_MARGIN = 0.005
+
 TABLES = [
     "data/prompts/prompts.parquet",
     "data/composites/composites.parquet",
@@ -69,7 +72,8 @@ def test_dvc_repro_runs_every_stage(dvc_repo):
     from workflow.registry import STAGES
 
     repo, out = dvc_repo
-    assert ran_stages(out) == [s.name for s in STAGES]
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    assert sorted(ran_stages(out)) == sorted(m.dvc_name for s in STAGES for m in s.members(params))
     for table in TABLES:
         assert (repo / table).is_file(), table
     pairs = json.loads((repo / "data/pairs/metrics.json").read_text())
@@ -83,6 +87,28 @@ def test_dvc_repro_runs_every_stage(dvc_repo):
     for name in ("models", "prompts", "composites", "subfigures", "pairs", "labels"):
         run = json.loads((repo / f"data/{name}/metrics.json").read_text())["run"]
         assert run["peak_rss_mb"] < 4096, (name, run)
+    for name in ("grpo/t2is", "sample/t2is"):
+        run = json.loads((repo / f"data/{name}/metrics.json").read_text())["run"]
+        assert run["peak_rss_mb"] < 6144, (name, run)
+
+
+def test_grpo_learns_and_sample_compares_with_and_without_the_lora(dvc_repo):
+    """The embedded default's GRPO learning signal: the mean training reward (the weighted sum of
+    consistency, CLIP-T and PickScore) of the last epochs exceeds that of the first epochs
+    (one-sided Welch t-test on the per-sample rewards of those epochs)."""
+    repo, _ = dvc_repo
+    m = json.loads((repo / "data/grpo/t2is/metrics.json").read_text())
+    sig = m["learning_signal"]
+    assert m["first_update_ratio_max_abs_deviation"] == 0.0
+    assert sig["improvement"] > GRPO_MARGIN and sig["p_value"] < 0.01, sig
+    train = pd.read_csv(repo / "data/grpo/t2is/plots/train.csv")
+    assert len(train) == m["epochs"] and train["reward"].notna().all()
+    assert (repo / "data/grpo/t2is/lora/pytorch_lora_weights.safetensors").is_file()
+    s = json.loads((repo / "data/sample/t2is/metrics.json").read_text())
+    assert set(s["rewards"]) == {"consistency", "clip_t", "pickscore"} and s["samples"] == 2 * s["prompts"] * 2
+    samples = pd.read_parquet(repo / "data/sample/t2is/samples.parquet")
+    assert set(samples["variant"]) == {"base", "lora"}
+    assert {p.name for p in (repo / "data/sample/t2is/sheets").iterdir()} == {"base.png", "lora.png"}
 
 
 @pytest.mark.xfail(
@@ -122,10 +148,11 @@ def _set(repo: Path, section: str, key: str, value) -> None:
 def test_param_change_reruns_only_the_stage_and_descendants(dvc_repo, dvc_repro_noop):
     repo, _ = dvc_repo
     original = (repo / "params.yaml").read_text()
-    # a data-stage param: only that stage is out of date (its descendants follow once it reruns)
+    # a data-stage param: only the stages that read it are out of date (their descendants follow
+    # once they rerun); grpo and sample cut their grids for the panel rewards the same way
     _set(repo, "subfigures", "method", "equal")
     status = sh([sys.executable, "-m", "dvc", "status", "--json"], repo)
-    assert set(json.loads(status[status.index("{"):])) == {"subfigures"}
+    assert set(json.loads(status[status.index("{"):])) == {"subfigures", "grpo@t2is", "sample@t2is"}
     (repo / "params.yaml").write_text(original)
     # an evaluation param: only reward_eval reruns, nothing upstream (the value must differ from
     # the committed default, or nothing is out of date)

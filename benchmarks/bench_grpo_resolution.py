@@ -1,0 +1,92 @@
+"""Benchmark resolution-decoupled training: wall-clock cost of a PaCo-GRPO epoch at two train
+resolutions (paper §4.2: sample and train the 2x2 grid at 512, evaluate at 1024).
+
+    python benchmarks/bench_grpo_resolution.py [--resolutions 128 256] [--epochs 3] \\
+        [--models data/models] [--judge data/reward_merge/model] [--prompts data/prompts/prompts.parquet]
+
+Uses the embedded default's ``grpo.t2is`` params with only ``train.resolution`` changed (eval
+disabled), the real rewards and the judge served by ``python -m paco.serve``. The models and
+prompts default to a finished ``dvc repro``'s outputs; ``--build`` builds the tiny models and a
+prompt table in a temp dir instead (the base judge then stands in for the merged one). Prints
+seconds per epoch split into sampling, rewards and the policy update, and the ratio between the
+two resolutions. Figures only: nothing here asserts on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import yaml  # noqa: E402
+
+from paco.clip import ClipScorer  # noqa: E402
+from paco.grpo import train_grpo  # noqa: E402
+from paco.io import read_parquet  # noqa: E402
+from paco.judge_client import JudgeClient, LocalJudgeServer  # noqa: E402
+from paco.params import GrpoSubtaskParams  # noqa: E402
+from paco.rewards import RewardContext  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(tmp: Path) -> tuple[Path, Path, Path]:
+    """Run the ``models`` and ``prompts`` stages of the embedded default into ``tmp``."""
+    from stages import models as models_stage
+    from stages import prompts as prompts_stage
+
+    params = str(ROOT / "params.yaml")
+    if models_stage.main(["--params", params, "--out", str(tmp / "models"), "--metrics", str(tmp / "m.json")]):
+        sys.exit("models stage failed")
+    if prompts_stage.main(["--params", params, "--jsonl", str(ROOT / "data/raw/t2is_prompts.jsonl"),
+                           "--out", str(tmp / "prompts.parquet"), "--metrics", str(tmp / "p.json")]):
+        sys.exit("prompts stage failed")
+    return tmp / "models", tmp / "models" / "judge_base", tmp / "prompts.parquet"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--resolutions", type=int, nargs=2, default=[128, 256])
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--models", type=Path, default=ROOT / "data/models")
+    ap.add_argument("--judge", type=Path, default=ROOT / "data/reward_merge/model")
+    ap.add_argument("--prompts", type=Path, default=ROOT / "data/prompts/prompts.parquet")
+    ap.add_argument("--build", action="store_true", help="build tiny models and prompts in a temp dir")
+    args = ap.parse_args()
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.build:
+            args.models, args.judge, args.prompts = build(Path(tmp))
+        prompts = read_parquet(args.prompts)
+        judge = params["judge"]
+        results = {}
+        with LocalJudgeServer(args.judge, judge["served_model_name"], max_logprobs=100_000) as url:
+            client = JudgeClient(url, judge["served_model_name"], concurrency=judge["concurrency"], top_logprobs=100_000)
+            ctx = RewardContext(judge=client, clip=ClipScorer(args.models / "clip"), instruction=judge["instruction"])
+            for res in args.resolutions:
+                raw = params["grpo"]["t2is"]
+                raw = {**raw, "epochs": args.epochs, "train": {**raw["train"], "resolution": res},
+                       "eval": {**raw["eval"], "every": 10_000}}
+                cfg = GrpoSubtaskParams.model_validate(raw)
+                t0 = time.perf_counter()
+                m = train_grpo(cfg, prompts, args.models / "policy_t2is", ctx, lora_dir=None,
+                               checkpoints_dir=Path(tmp) / f"ck{res}")
+                wall = time.perf_counter() - t0
+                s = m["seconds"]
+                per = {k: s[k] / args.epochs for k in ("sample", "reward", "train")}
+                results[res] = sum(per.values())
+                print(f"train resolution {res:5d}px: {results[res]:6.2f} s/epoch  (sampling {per['sample']:.2f}, "
+                      f"rewards {per['reward']:.2f}, update {per['train']:.2f}; {m['trajectories_per_epoch']} "
+                      f"trajectories/epoch; wall {wall:.1f} s incl. final eval and setup)", flush=True)
+        lo, hi = args.resolutions
+        print(f"epoch cost {hi}px / {lo}px: {results[hi] / results[lo]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Benchmark the judge: scoring throughput batched versus one pair at a time, in process and
+through the served judge, and the LoRA training time per optimizer step.
+
+    python benchmarks/bench_judge.py [--judge data/reward_merge/model] [--pairs 64] [--batch 16]
+
+Uses a judge directory (default: the embedded default's merged judge; ``--build`` builds the
+untrained tiny one in a temp dir, whose first tokens need not rank Yes/No in the top 20, so the
+server then returns every token's log-prob and the HTTP figures include that much larger JSON)
+and pairs of 128 px panels cut from ``photos`` composites, with the embedded default's
+instruction. Prints pairs per second for: in-process ``Judge.score`` with batch 1 and
+with ``--batch``; the HTTP server (``python -m paco.serve``) hit one request at a time and with
+``--batch`` concurrent requests (dynamic batching); and seconds per training step of
+``reward_train`` (LoRA from params, first-token-weighted loss, AdamW) at its batch size.
+Figures only: nothing here asserts on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from paco.params import load_params  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def panels(n_pairs: int) -> list[tuple]:
+    """``n_pairs`` (panel, panel) pairs from photo composites of the embedded prompt set."""
+    from paco.io import decode_image
+    from paco.photos import render_composites
+    from paco.prompts import read_t2is_jsonl
+    from paco.subfigures import crop_panels, split_grid
+
+    params = load_params(ROOT / "params.yaml")
+    prompts = read_t2is_jsonl(ROOT / "data/raw/t2is_prompts.jsonl")
+    comps = render_composites(prompts.head(max(2, n_pairs // 8)), params.composites.photos, 4, 0)
+    cut = []
+    layout = prompts.set_index("prompt_id")[["rows", "cols"]]
+    for row in comps.to_dict("records"):
+        im = decode_image(row["image"])
+        r, c = layout.loc[row["prompt_id"]]
+        cut.append(crop_panels(im, split_grid(im, int(r), int(c))))
+    pairs = []
+    for ps in cut:
+        for k in range(1, len(ps)):
+            pairs.append((ps[0], ps[k]))
+    return (pairs * (n_pairs // max(len(pairs), 1) + 1))[:n_pairs]
+
+
+def rate(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--judge", type=Path, default=ROOT / "data/reward_merge/model")
+    ap.add_argument("--build", action="store_true", help="build the tiny judge in a temp dir")
+    ap.add_argument("--pairs", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    from paco.judge import Judge
+    from paco.judge_client import JudgeClient, LocalJudgeServer
+    from paco.templates import judge_instruction
+
+    params = load_params(ROOT / "params.yaml")
+    with tempfile.TemporaryDirectory() as tmp:
+        top = 20
+        if args.build:
+            from paco.models.fetch import materialise
+
+            args.judge = materialise("judge_base", "tiny:qwen2_5_vl", Path(tmp) / "judge", seed=0)
+            top = 100_000
+        text = judge_instruction(None) if params.labels.instruction == "rank" else judge_instruction("a set of photos")
+        triples = [(a, b, text) for a, b in panels(args.pairs)]
+        judge = Judge.from_pretrained(args.judge, batch_size=1)
+        judge.score(triples[:2])  # warm-up
+        one = rate(lambda: judge.score(triples), len(triples))
+        judge.batch_size = args.batch
+        batched = rate(lambda: judge.score(triples), len(triples))
+        print(f"in process   batch 1: {one:7.1f} pairs/s   batch {args.batch}: {batched:7.1f} pairs/s "
+              f"({batched / one:.1f}x)")
+        with LocalJudgeServer(args.judge, "bench", max_batch_size=args.batch, max_logprobs=top) as url:
+            serial = JudgeClient(url, "bench", concurrency=1, top_logprobs=top)
+            serial.score(triples[:2])
+            s1 = rate(lambda: serial.score(triples), len(triples))
+            conc = JudgeClient(url, "bench", concurrency=args.batch, top_logprobs=top)
+            s2 = rate(lambda: conc.score(triples), len(triples))
+            health = conc.health()
+            print(f"served       1 in flight: {s1:7.1f} pairs/s   {args.batch} in flight: {s2:7.1f} pairs/s "
+                  f"({s2 / s1:.1f}x; {health['requests']} requests in {health['forward_passes']} forward passes)")
+
+        # training step time of reward_train (LoRA, first-token-weighted loss, AdamW)
+        from paco.judge import check_answer_tokens, encode_sft
+        from paco.losses import first_token_weighted_loss
+        from paco.models.loading import load_judge
+        from paco.reward_train import apply_lora
+        from paco.templates import format_response
+
+        cfg = params.reward_train
+        model, processor = load_judge(args.judge)
+        check_answer_tokens(processor.tokenizer)
+        model = apply_lora(model, cfg.lora)
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
+        rows = [(a, b, t, format_response(i % 2 == 0, None if params.labels.teacher.fast else ["The two panels match."]))
+                for i, (a, b, t) in enumerate(triples[:cfg.batch_size])]
+        batch = encode_sft(processor, rows)
+        times = []
+        for _ in range(args.steps + 1):
+            t0 = time.perf_counter()
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            loss = first_token_weighted_loss(logits[:, :-1], batch["labels"][:, 1:], cfg.first_token_weight,
+                                             cfg.loss_variant)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+        times = sorted(times[1:])
+        print(f"reward_train step (batch {cfg.batch_size}, LoRA r{cfg.lora.rank}): median {times[len(times) // 2]:.3f} s"
+              f" (min {times[0]:.3f}, max {times[-1]:.3f}; torch threads {torch.get_num_threads()})")
+
+
+if __name__ == "__main__":
+    main()
