@@ -66,17 +66,17 @@ import numpy as np
 import pandas as pd
 import torch
 
+from paco import checkpoints as ckpt
 from paco.advantages import aggregate, weighted_sum
 from paco.composites import stable_seed
 from paco.io import write_json
 from paco.params import GrpoSubtaskParams
 from paco.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, PromptEmbeds, grid_size
-from paco.reward_train import _replace_dir, base_model_digest
 from paco.rewards import PromptInfo, RewardContext, compute_rewards
 
 log = logging.getLogger("paco.grpo")
 
-STATE_FILE = "trainer_state.json"
+STATE_FILE = ckpt.STATE_FILE
 CHECKPOINT_PREFIX = "epoch-"
 KEEP_CHECKPOINTS = 2
 
@@ -254,17 +254,7 @@ def fingerprint_parts(cfg: GrpoSubtaskParams, *, prompts_digest: str, policy_dig
 
 def list_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[Path]:
     """Complete checkpoints (``epoch-N`` directories with ``trainer_state.json``), oldest first."""
-    d = Path(checkpoints_dir)
-    if not d.is_dir():
-        return []
-    found = []
-    for p in d.iterdir():
-        if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and (p / STATE_FILE).is_file():
-            try:
-                found.append((int(p.name[len(CHECKPOINT_PREFIX):]), p))
-            except ValueError:
-                continue
-    return [p for _, p in sorted(found)]
+    return ckpt.list_checkpoints(checkpoints_dir, CHECKPOINT_PREFIX)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -351,16 +341,6 @@ class EpochInfo:
     policy: FluxPolicy
 
 
-def _write_plots(plots_dir: Path | None, history: dict[str, list[dict[str, Any]]]) -> None:
-    if plots_dir is None:
-        return
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("train", "eval"):
-        tmp = plots_dir / f".{name}.csv.tmp-{os.getpid()}"
-        pd.DataFrame(history[name]).to_csv(tmp, index=False)
-        os.replace(tmp, plots_dir / f"{name}.csv")
-
-
 def prompts_digest(prompts: pd.DataFrame) -> str:
     """sha256 of the prompt rows GRPO reads (id, split, prompt, layout, panel prompts)."""
     cols = ["prompt_id", "split", "prompt", "global_prompt", "rows", "cols", "height", "width", "panel_prompts"]
@@ -427,15 +407,14 @@ def train_grpo(
         FloatingPointError: a non-finite loss.
     """
     from paco.models.loading import load_flux_pipeline
-    from paco.reward_train import cpu_threads_per_process
+    from paco.stage import cpu_threads_per_process
 
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
     main = rank == 0
-    local_world = accelerator.state.local_process_index + 1 if accelerator is not None else 1
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_process(max(world, local_world)))
+        torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     t_start = time.perf_counter()
 
     # ---------------- data
@@ -484,46 +463,33 @@ def train_grpo(
                  len(eval_prompts), cfg.eval.resolution, cfg.eval.every)
 
     # ---------------- resume
-    parts = fingerprint_parts(cfg, prompts_digest=prompts_digest(prompts), policy_digest=base_model_digest(policy_dir),
+    parts = fingerprint_parts(cfg, prompts_digest=prompts_digest(prompts), policy_digest=ckpt.model_digest(policy_dir),
                               num_processes=world)
     fp = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
     ckdir = Path(checkpoints_dir)
     history: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
     per_sample_rewards: list[list[float]] = []
     start_epoch, resumed_from = 0, None
-    existing = list_checkpoints(ckdir)
-    if existing:
-        latest = existing[-1]
-        state = json.loads((latest / STATE_FILE).read_text())
-        if state.get("fingerprint") == fp:
-            from safetensors.torch import load_file
+    found = ckpt.resumable(ckdir, CHECKPOINT_PREFIX, fp, parts, main=main, log=log)
+    if found is not None:
+        from safetensors.torch import load_file
 
-            weights = load_file(str(latest / "lora.safetensors"))
-            with torch.no_grad():
-                for tag, adapter in (("trained", TRAINED_ADAPTER), ("old", OLD_ADAPTER)):
-                    for n, p in policy.adapter_parameters(adapter).items():
-                        p.copy_(weights[f"{tag}/{n}"])
-                if ema is not None:
-                    for n in ema.shadow:
-                        ema.shadow[n].copy_(weights[f"ema/{n}"])
-            optimizer.load_state_dict(torch.load(latest / "optimizer.pt", weights_only=False))
-            _set_rng_state(torch.load(latest / f"rng-{rank}.pt", weights_only=False))
-            history = state["history"]
-            per_sample_rewards = state["per_sample_rewards"]
-            start_epoch, resumed_from = int(state["epoch"]), latest.name
-            if main:
-                log.info("resuming from %s after epoch %d of %d", latest, start_epoch, cfg.epochs)
-        else:
-            old = state.get("fingerprint_parts", {})
-            why = [k for k in parts if old.get(k) != parts[k]]
-            if main:
-                log.warning("checkpoint %s does not match this run (different %s): starting fresh, removing %d "
-                            "old checkpoint(s)", latest, ", ".join(why) or "fingerprint", len(existing))
-                for p in existing:
-                    shutil.rmtree(p, ignore_errors=True)
-    if main and ckdir.is_dir():
-        for p in ckdir.glob(f".tmp-{CHECKPOINT_PREFIX}*"):
-            shutil.rmtree(p, ignore_errors=True)
+        latest, state = found
+        weights = load_file(str(latest / "lora.safetensors"))
+        with torch.no_grad():
+            for tag, adapter in (("trained", TRAINED_ADAPTER), ("old", OLD_ADAPTER)):
+                for n, p in policy.adapter_parameters(adapter).items():
+                    p.copy_(weights[f"{tag}/{n}"])
+            if ema is not None:
+                for n in ema.shadow:
+                    ema.shadow[n].copy_(weights[f"ema/{n}"])
+        optimizer.load_state_dict(torch.load(latest / "optimizer.pt", weights_only=False))
+        _set_rng_state(torch.load(latest / f"rng-{rank}.pt", weights_only=False))
+        history = state["history"]
+        per_sample_rewards = state["per_sample_rewards"]
+        start_epoch, resumed_from = int(state["epoch"]), latest.name
+        if main:
+            log.info("resuming from %s after epoch %d of %d", latest, start_epoch, cfg.epochs)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     plots = Path(plots_dir) if (plots_dir is not None and main) else None
@@ -551,10 +517,9 @@ def train_grpo(
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             write_json(tmp / STATE_FILE, {"fingerprint": fp, "fingerprint_parts": parts, "epoch": epoch,
                                           "history": history, "per_sample_rewards": per_sample_rewards})
-            _replace_dir(tmp, ckdir / name)
-            for old_ck in list_checkpoints(ckdir)[:-KEEP_CHECKPOINTS]:
-                shutil.rmtree(old_ck, ignore_errors=True)
-            _write_plots(plots, history)
+            ckpt.replace_dir(tmp, ckdir / name)
+            ckpt.prune(ckdir, CHECKPOINT_PREFIX, KEEP_CHECKPOINTS)
+            ckpt.write_plot_csvs(plots, history)
         if accelerator is not None:
             accelerator.wait_for_everyone()
         return str(ckdir / name)
@@ -725,7 +690,7 @@ def train_grpo(
         with weights_ctx:
             save_lora(policy, cfg, lora_dir)
     if main:
-        _write_plots(plots, history)
+        ckpt.write_plot_csvs(plots, history)
     if accelerator is not None:
         accelerator.wait_for_everyone()
 
@@ -782,5 +747,5 @@ def save_lora(policy: FluxPolicy, cfg: GrpoSubtaskParams, lora_dir: str | os.Pat
     write_json(tmp / "lora_config.json", {**meta, "lora_dropout": cfg.lora.dropout, "base_policy": cfg.policy})
     for f in tmp.iterdir():
         f.chmod(0o644)
-    _replace_dir(tmp, target)
+    ckpt.replace_dir(tmp, target)
     log.info("LoRA saved to %s", target)

@@ -103,19 +103,21 @@ import numpy as np
 import pandas as pd
 import torch
 
+from paco import checkpoints as ckpt
+from paco.checkpoints import model_digest as base_model_digest  # noqa: F401 - public here too
 from paco.io import ArtifactError, decode_image, read_parquet, write_json
 from paco.judge import AnswerTokens, check_answer_tokens, encode_sft, p_yes_from_logits
 from paco.losses import IGNORE_INDEX, answer_positions, first_token_weighted_loss
 from paco.params import LoraParams, RewardTrainParams
+from paco.stage import cpu_threads_per_process  # noqa: F401 - public here too
 
 log = logging.getLogger("paco.reward_train")
 
 SFT_COLUMNS = ("pair_id", "split", "instruction", "image_a", "image_b", "label", "response", "status")
-STATE_FILE = "trainer_state.json"
+STATE_FILE = ckpt.STATE_FILE
 LORA_STATE_FILE = "lora_trainable.safetensors"
 CHECKPOINT_PREFIX = "step-"
 KEEP_CHECKPOINTS = 2
-_FULL_HASH_LIMIT = 1 << 30  # base-model weight files up to 1 GiB in total are hashed in full
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,36 +340,6 @@ def distributed_loss_scale(variant: str, n_local: float, n_global: float, num_pr
 # --------------------------------------------------------------------------------------------
 
 
-def _hash_file(h: Any, path: Path, full: bool) -> None:
-    size = path.stat().st_size
-    h.update(f"{path.name}:{size}\n".encode())
-    with open(path, "rb") as fh:
-        if full:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-            return
-        # large files: 17 evenly spaced 1 MiB samples (the first holds the safetensors header)
-        for k in range(17):
-            fh.seek(k * max(size - (1 << 20), 0) // 16)
-            h.update(fh.read(1 << 20))
-
-
-def base_model_digest(base_dir: str | os.PathLike[str]) -> str:
-    """sha256 over the base model directory's config/tokenizer files and weight files (weights
-    hashed in full up to 1 GiB in total, by 17 samples of 1 MiB per file above that)."""
-    base = Path(base_dir)
-    files = sorted(p for p in base.rglob("*") if p.is_file())
-    weights = [p for p in files if p.suffix in (".safetensors", ".bin")]
-    full_weights = sum(p.stat().st_size for p in weights) <= _FULL_HASH_LIMIT
-    h = hashlib.sha256()
-    for p in files:
-        is_weight = p in weights
-        if is_weight or p.suffix in (".json", ".txt", ".jinja", ".model"):
-            h.update(str(p.relative_to(base)).encode() + b"\0")
-            _hash_file(h, p, full_weights or not is_weight)
-    return h.hexdigest()
-
-
 def fingerprint_parts(cfg: RewardTrainParams, *, data_digest: str, base_digest: str,
                       num_processes: int) -> dict[str, str]:
     """What a resumable checkpoint must match, by component: the training params (all but
@@ -394,50 +366,16 @@ def fingerprint(parts: dict[str, str]) -> str:
 
 def list_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[Path]:
     """Complete checkpoints (``step-N`` directories holding ``trainer_state.json``), oldest first."""
-    d = Path(checkpoints_dir)
-    if not d.is_dir():
-        return []
-    found = []
-    for p in d.iterdir():
-        m = re.fullmatch(rf"{CHECKPOINT_PREFIX}(\d+)", p.name)
-        if m and p.is_dir() and (p / STATE_FILE).is_file():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
+    return ckpt.list_checkpoints(checkpoints_dir, CHECKPOINT_PREFIX)
 
 
 def read_checkpoint_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    return json.loads((Path(path) / STATE_FILE).read_text())
-
-
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Move the finished directory ``tmp`` to ``target`` (replacing it)."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
+    return ckpt.read_state(path)
 
 
 # --------------------------------------------------------------------------------------------
 # threads and the accelerator
 # --------------------------------------------------------------------------------------------
-
-
-def cpu_threads_per_process(local_processes: int) -> int:
-    """Torch threads per process on CPU: ``$PACO_NUM_THREADS`` if set, else the cores this
-    process may run on (``sched_getaffinity``, which honours cgroups/SLURM binding) divided by
-    the processes on this node, at least 1. Launchers' ``OMP_NUM_THREADS`` is not trusted:
-    torchrun sets it to 1 for every multi-process run."""
-    env = os.environ.get("PACO_NUM_THREADS")
-    if env:
-        return max(1, int(env))
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_processes))
 
 
 def make_accelerator(cfg: RewardTrainParams) -> Any:
@@ -536,17 +474,6 @@ class StepInfo:
     total_steps: int
     loss: float
     checkpoint: str | None
-
-
-def _write_plots(plots_dir: Path | None, history: dict[str, list[dict[str, Any]]]) -> None:
-    """``train.csv`` and ``eval.csv`` from the history (atomic replace)."""
-    if plots_dir is None:
-        return
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("train", "eval"):
-        tmp = plots_dir / f".{name}.csv.tmp-{os.getpid()}"
-        pd.DataFrame(history[name]).to_csv(tmp, index=False)
-        os.replace(tmp, plots_dir / f"{name}.csv")
 
 
 class _LoraStateHooks:
@@ -695,29 +622,16 @@ def train_reward(
     ckdir = Path(checkpoints_dir)
     history: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
     epoch, step_in_epoch, global_step, resumed_from = 0, 0, 0, None
-    existing = list_checkpoints(ckdir)
-    if existing:
-        latest = existing[-1]
-        state = read_checkpoint_state(latest)
-        if state.get("fingerprint") == fp:
-            accelerator.load_state(str(latest))
-            history = state["history"]
-            epoch, step_in_epoch, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
-            resumed_from = latest.name
-            if main:
-                log.info("resuming from %s: epoch %d, %d/%d steps of it done, global step %d",
-                         latest, epoch + 1, step_in_epoch, steps_per_epoch, global_step)
-        else:
-            old = state.get("fingerprint_parts", {})
-            why = [k for k in parts if old.get(k) != parts[k]]
-            if main:
-                log.warning("checkpoint %s does not match this run (different %s): starting fresh, removing "
-                            "%d old checkpoint(s)", latest, ", ".join(why) or "fingerprint", len(existing))
-                for p in existing:
-                    shutil.rmtree(p, ignore_errors=True)
-    if main and ckdir.is_dir():
-        for p in ckdir.glob(f".tmp-{CHECKPOINT_PREFIX}*"):
-            shutil.rmtree(p, ignore_errors=True)
+    found = ckpt.resumable(ckdir, CHECKPOINT_PREFIX, fp, parts, main=main, log=log)
+    if found is not None:
+        latest, state = found
+        accelerator.load_state(str(latest))
+        history = state["history"]
+        epoch, step_in_epoch, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        resumed_from = latest.name
+        if main:
+            log.info("resuming from %s: epoch %d, %d/%d steps of it done, global step %d",
+                     latest, epoch + 1, step_in_epoch, steps_per_epoch, global_step)
     accelerator.wait_for_everyone()
     plots = Path(plots_dir) if (plots_dir is not None and main) else None
 
@@ -735,10 +649,9 @@ def train_reward(
                 "fingerprint": fp, "fingerprint_parts": parts, "epoch": epoch, "step_in_epoch": step_in_epoch,
                 "steps_per_epoch": steps_per_epoch, "global_step": global_step, "history": history,
             })
-            _replace_dir(tmp, ckdir / name)
-            for old_ck in list_checkpoints(ckdir)[:-KEEP_CHECKPOINTS]:
-                shutil.rmtree(old_ck, ignore_errors=True)
-            _write_plots(plots, history)
+            ckpt.replace_dir(tmp, ckdir / name)
+            ckpt.prune(ckdir, CHECKPOINT_PREFIX, KEEP_CHECKPOINTS)
+            ckpt.write_plot_csvs(plots, history)
         accelerator.wait_for_everyone()
         return str(ckdir / name)
 
@@ -827,10 +740,10 @@ def train_reward(
                                   save_embedding_layers=False)
         for f in tmp.iterdir():  # safetensors creates its file 0600; keep the usual permissions
             f.chmod(0o644)
-        _replace_dir(tmp, target)
+        ckpt.replace_dir(tmp, target)
         log.info("adapter saved to %s", target)
     if main:
-        _write_plots(plots, history)
+        ckpt.write_plot_csvs(plots, history)
     accelerator.wait_for_everyone()
     for h in handles:
         h.remove()

@@ -255,7 +255,7 @@ STAGES: tuple[Stage, ...] = (
         ),
         deps=(_d("labels", "sft.parquet"), "data/models/judge_base"),
         code=COMMON_CODE + (
-            "stages/reward_train.py", "paco/reward_train.py", "paco/losses.py", "paco/judge.py",
+            "stages/reward_train.py", "paco/reward_train.py", "paco/checkpoints.py", "paco/losses.py", "paco/judge.py",
             "paco/models/loading.py", "paco/templates.py",
         ),
         params=("reward_train",),
@@ -313,6 +313,7 @@ STAGES: tuple[Stage, ...] = (
 GRPO_CODE = COMMON_CODE + (
     "paco/policy.py", "paco/sde.py", "paco/rewards.py", "paco/judge_client.py", "paco/serve.py", "paco/judge.py",
     "paco/http.py", "paco/clip.py", "paco/subfigures.py", "paco/templates.py", "paco/models/loading.py",
+    "paco/checkpoints.py",
 )
 
 STAGES += (
