@@ -106,7 +106,14 @@ def final_samples(cfg: SampleSubtaskParams, prompts: pd.DataFrame, policy_dir: s
     rows: list[dict[str, Any]] = []
     for variant in VARIANTS:
         if variant == "lora":
-            pipe.load_lora_weights(str(lora_dir))
+            from diffusers.utils import logging as df_logging
+
+            level = df_logging.get_verbosity()
+            df_logging.set_verbosity_error()  # "no LoRA keys for the text encoder": there are none by design
+            try:
+                pipe.load_lora_weights(str(lora_dir))
+            finally:
+                df_logging.set_verbosity(level)
         policy = FluxPolicy(pipe, None, max_sequence_length=cfg.max_sequence_length,
                             guidance_scale=cfg.guidance_scale)
         my_jobs = [jobs[i] for i in mine]
