@@ -12,7 +12,9 @@ One epoch (the reference trainer's loop, ``train_flux.py`` of X-GenGroup/PaCo-RL
    ``sample.sde_indices`` (noise level ``a``), ODE steps elsewhere. Trajectory ``g`` of prompt
    ``p`` draws its initial noise and its SDE noise from generators seeded with
    ``stable_seed(seed, "noise"|"sde", epoch, p, g)``, so a sample does not depend on batch size,
-   order or process count.
+   order or process count. With ``sample.same_initial_noise`` (the reference's ``same_latent``)
+   the ``G`` trajectories of a prompt share their initial noise (``g = 0``) and differ only by the
+   SDE noise: the group's reward differences then come from the trained steps alone.
 3. **Reward**: every reward of ``rewards`` (name -> weight) for every decoded grid
    (:mod:`paco.rewards`); failures raise.
 4. **Advantages**: :func:`paco.advantages.aggregate` (``aggregation.method``, ``delta``,
@@ -152,7 +154,8 @@ def sample_group(policy: FluxPolicy, prompt: PromptInfo, embeds: PromptEmbeds, i
         roll = policy.sample(
             emb, height=height, width=width, num_steps=s.num_steps, noise_level=s.noise_level,
             sde_indices=s.sde_indices,
-            noise_generators=generators(cfg.seed, "noise", epoch, prompt.prompt_id, chunk),
+            noise_generators=generators(cfg.seed, "noise", epoch, prompt.prompt_id,
+                                        [0] * len(chunk) if s.same_initial_noise else chunk),
             sde_generators=generators(cfg.seed, "sde", epoch, prompt.prompt_id, chunk),
             sigma_max=s.sigma_max,
         )

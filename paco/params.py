@@ -358,6 +358,8 @@ class GrpoSampleParams(_Section):
     noise_level: float = Field(0.7, ge=0.0, description="a of the SDE steps (paper 0.7)")
     sde_indices: list[int] = Field(default_factory=lambda: [1], description="steps taking the SDE step (paper [1])")
     sigma_max: float = Field(0.98, gt=0.0, lt=1.0)
+    same_initial_noise: bool = Field(False, description="a prompt's G trajectories share their initial noise "
+                                     "(the reference's same_latent; default off as in the paper)")
     batch_size: int = Field(8, ge=1, description="trajectories per forward pass")
     max_sequence_length: int = Field(512, ge=8, le=512)
 

@@ -101,6 +101,23 @@ def test_epoch_plan_is_seeded_unique_and_partitions():
     assert sorted(np.concatenate(parts).tolist()) == list(range(10)) and [len(p) for p in parts] == [4, 3, 3]
 
 
+@pytest.mark.parametrize("same", [False, True])
+def test_group_initial_noise_is_shared_only_when_asked(tiny_model_dirs, same):
+    from paco.grpo import sample_group
+    from paco.models.loading import load_flux_pipeline
+    from paco.policy import FluxPolicy
+
+    cfg = _cfg(sample=dict(sde_indices=[0], same_initial_noise=same))
+    prompt = R.PromptInfo.from_row(_prompts().iloc[0].to_dict())
+    policy = FluxPolicy(load_flux_pipeline(tiny_model_dirs["policy_t2is"]), None, max_sequence_length=32)
+    trajs, images = sample_group(policy, prompt, policy.encode_prompts([prompt.prompt]), [0, 1, 2], cfg, 0, 64, 64,
+                                 base_index=0)
+    x0 = [t.latents[0, 0] for t in trajs]  # the latent entering step 0: the initial noise
+    assert torch.equal(x0[0], x0[1]) == same and torch.equal(x0[1], x0[2]) == same
+    assert not torch.equal(trajs[0].latents[0, 1], trajs[1].latents[0, 1])  # the SDE noise always differs
+    assert [t.index for t in trajs] == [0, 1, 2] and len(images) == 3
+
+
 @pytest.fixture(scope="module")
 def red_run(tiny_model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
