@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 #: the stated GRPO margin: last-epochs minus first-epochs mean training reward (embedded default)
-GRPO_MARGIN = 0.01
+GRPO_MARGIN = 0.005
 
 TABLES = [
     "data/prompts/prompts.parquet",
