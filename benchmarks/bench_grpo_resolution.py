@@ -66,8 +66,10 @@ def main() -> None:
         prompts = read_parquet(args.prompts)
         judge = params["judge"]
         results = {}
-        with LocalJudgeServer(args.judge, judge["served_model_name"], max_logprobs=100_000) as url:
-            client = JudgeClient(url, judge["served_model_name"], concurrency=judge["concurrency"], top_logprobs=100_000)
+        # the untrained base judge (--build) need not rank Yes/No in its top 20 first tokens
+        top = 100_000 if args.build else judge["top_logprobs"]
+        with LocalJudgeServer(args.judge, judge["served_model_name"], max_logprobs=top) as url:
+            client = JudgeClient(url, judge["served_model_name"], concurrency=judge["concurrency"], top_logprobs=top)
             ctx = RewardContext(judge=client, clip=ClipScorer(args.models / "clip"), instruction=judge["instruction"])
             for res in args.resolutions:
                 raw = params["grpo"]["t2is"]
