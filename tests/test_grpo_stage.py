@@ -44,7 +44,7 @@ def _params(tmp: Path, **judge) -> Path:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     g = params["grpo"]["t2is"]
     g.update(epochs=2, prompts_per_epoch=2, group_size=4, save_every=1)
-    g["sample"].update(num_steps=3, max_sequence_length=32)
+    g["sample"].update(num_steps=3, sde_indices=[1, 2], max_sequence_length=32)
     g["train"].update(resolution=64, batch_size=8)
     g["eval"].update(resolution=64, num_steps=3, every=100)
     params["sample"]["t2is"].update(resolution=64, num_steps=3, seeds_per_prompt=1, max_sequence_length=32)
