@@ -110,9 +110,15 @@ def _test(values: np.ndarray, chance: float) -> dict[str, float]:
     return {k: t[k] for k in ("mean", "p_value", "ci_low", "ci_high", "n")}
 
 
-def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy") -> dict[str, float]:
-    """Paired test of scorer ``a`` minus scorer ``b`` on the same instances (t-test of the
-    per-instance differences against 0, one-sided ``a > b``)."""
+def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy") -> dict[str, Any]:
+    """Paired test of scorer ``a`` minus scorer ``b`` on the same instances.
+
+    Top-level keys (``mean``, ``p_value``, ``ci_low``, ``ci_high``, ``n``): one-sided ``a > b``
+    t-test of the per-instance differences of ``metric`` against 0
+    (:func:`paco.metrics.chance_test`). ``per_prompt``: the same test on the per-prompt means of
+    the differences (instances of one prompt share panels and are not independent, so this is
+    the conservative statement; ``n`` is the prompt count).
+    """
     from paco.metrics import rank_metrics
 
     merged = a.merge(b, on="instance_id", suffixes=("_a", "_b"), validate="one_to_one")
@@ -123,7 +129,8 @@ def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy"
             for r in merged.itertuples(index=False)
         ]
     )
-    return _test(diff, 0.0)
+    by_prompt = pd.Series(diff).groupby(merged["prompt_id_a"].to_numpy()).mean().to_numpy()
+    return {**_test(diff, 0.0), "per_prompt": _test(by_prompt, 0.0)}
 
 
 # --------------------------------------------------------------------------------------------

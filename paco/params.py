@@ -251,11 +251,34 @@ class LoraParams(_Section):
     )
 
 
+class PairAugmentParams(_Section):
+    """Label-preserving augmentation of training pairs (not in the paper; off by default).
+
+    Per training row and epoch: swap image A and image B with probability ``swap`` (the
+    consistency question is symmetric), flip each image horizontally with probability
+    ``hflip``, and crop each image to a random box covering a fraction in ``crop_scale`` of its
+    area (same aspect ratio; ``[1, 1]``: no crop). Test rows are never augmented.
+    """
+
+    enabled: bool = False
+    swap: float = Field(0.5, ge=0.0, le=1.0)
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    crop_scale: tuple[float, float] = (1.0, 1.0)
+
+    @model_validator(mode="after")
+    def _check_crop(self) -> "PairAugmentParams":
+        lo, hi = self.crop_scale
+        if not 0.0 < lo <= hi <= 1.0:
+            raise ValueError(f"crop_scale {list(self.crop_scale)} must satisfy 0 < low <= high <= 1")
+        return self
+
+
 class RewardTrainParams(_Section):
     """LoRA SFT of the judge with the first-token-weighted loss (paper §3.1)."""
 
     seed: int = 0
     lora: LoraParams = Field(default_factory=LoraParams)
+    augment: PairAugmentParams = Field(default_factory=PairAugmentParams)
     learning_rate: float = Field(2e-4, gt=0)
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)

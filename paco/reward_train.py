@@ -12,6 +12,8 @@ Public API
   language model, an ``accelerate`` training loop (DDP / gloo on CPU), per-epoch evaluation on
   the test split, resumable checkpoints, the PEFT adapter (safetensors) and a metrics dict.
 * :func:`load_sft_rows` -- ``status == "ok"`` rows of one split, sorted by ``pair_id``.
+* :func:`augment_pair` / :func:`row_images` -- the optional label-preserving augmentation of a
+  training pair (``augment``: swap A/B, horizontal flips, crops; deterministic per row/epoch).
 * :func:`lora_config` / :func:`apply_lora` -- the LoRA config restricted (by a regex) to the
   language model, and the wrapped model; :func:`parameter_counts`.
 * :func:`epoch_plan` / :func:`shard` -- the deterministic batch plan of an epoch and one
@@ -102,13 +104,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from PIL import Image
 
 from paco import checkpoints as ckpt
 from paco.checkpoints import model_digest as base_model_digest  # noqa: F401 - public here too
 from paco.io import ArtifactError, decode_image, read_parquet, write_json
 from paco.judge import AnswerTokens, check_answer_tokens, encode_sft, p_yes_from_logits
 from paco.losses import IGNORE_INDEX, answer_positions, first_token_weighted_loss
-from paco.params import LoraParams, RewardTrainParams
+from paco.params import LoraParams, PairAugmentParams, RewardTrainParams
 from paco.stage import cpu_threads_per_process  # noqa: F401 - public here too
 
 log = logging.getLogger("paco.reward_train")
@@ -196,18 +199,63 @@ def rows_digest(rows: Sequence[SftRow]) -> str:
     return h.hexdigest()
 
 
-def encode_rows(processor: Any, rows: Sequence[SftRow], answer: AnswerTokens) -> dict[str, torch.Tensor]:
-    """:func:`paco.judge.encode_sft` of ``rows`` (decoding the PNGs), checking that each row's
-    first response token is the answer token of its label.
+def augment_pair(image_a: Image.Image, image_b: Image.Image, aug: PairAugmentParams,
+                 rng: np.random.Generator) -> tuple[Image.Image, Image.Image]:
+    """A label-preserving random view of one training pair (see :class:`PairAugmentParams`).
+
+    Draws the same count of random numbers whatever the outcome (9: swap, then flip, crop area,
+    crop x, crop y for each image), so a row's view depends only on its generator. A crop keeps
+    the image's aspect ratio and is resized back to the original size (bicubic), so the judge
+    sees as many visual tokens as without augmentation.
+
+    Returns:
+        ``(view_a, view_b)``, RGB images of the input sizes, possibly swapped.
+    """
+    swap = rng.random() < aug.swap
+    out = []
+    for im in (image_a, image_b):
+        flip = rng.random() < aug.hflip
+        area = rng.uniform(*aug.crop_scale)
+        fx, fy = rng.random(), rng.random()
+        if area < 1.0:
+            w, h = im.size
+            cw, ch = max(1, round(w * math.sqrt(area))), max(1, round(h * math.sqrt(area)))
+            x0, y0 = int(fx * (w - cw + 1)), int(fy * (h - ch + 1))
+            im = im.crop((x0, y0, x0 + cw, y0 + ch)).resize((w, h), Image.Resampling.BICUBIC)
+        if flip:
+            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        out.append(im)
+    return (out[1], out[0]) if swap else (out[0], out[1])
+
+
+def row_images(row: SftRow, aug: PairAugmentParams | None = None, *, seed: int = 0, epoch: int = 0,
+               index: int = 0) -> tuple[Image.Image, Image.Image]:
+    """The decoded pair of ``row``; with an enabled ``aug``, its augmented view for training row
+    ``index`` (position in the sorted training rows) in ``epoch``, drawn from
+    ``numpy.random.default_rng([seed, epoch, index])`` (independent of processes and resumes).
+
+    Raises:
+        ArtifactError: an undecodable image (names the pair).
+    """
+    a = decode_image(row.image_a, what=f"pair {row.pair_id} image_a")
+    b = decode_image(row.image_b, what=f"pair {row.pair_id} image_b")
+    if aug is None or not aug.enabled:
+        return a, b
+    return augment_pair(a, b, aug, np.random.default_rng([seed, epoch, index]))
+
+
+def encode_rows(processor: Any, rows: Sequence[SftRow], answer: AnswerTokens,
+                images: Sequence[tuple[Image.Image, Image.Image]] | None = None) -> dict[str, torch.Tensor]:
+    """:func:`paco.judge.encode_sft` of ``rows`` (decoding the PNGs, or the given ``images``, one
+    ``(image_a, image_b)`` per row), checking that each row's first response token is the
+    answer token of its label.
 
     Raises:
         ValueError: a response does not start with the ``Yes``/``No`` token matching ``label``.
     """
-    batch = encode_sft(
-        processor,
-        [(decode_image(r.image_a, what=f"pair {r.pair_id} image_a"),
-          decode_image(r.image_b, what=f"pair {r.pair_id} image_b"), r.instruction, r.response) for r in rows],
-    )
+    if images is None:
+        images = [row_images(r) for r in rows]
+    batch = encode_sft(processor, [(a, b, r.instruction, r.response) for r, (a, b) in zip(rows, images, strict=True)])
     pos = answer_positions(batch["labels"])
     first = batch["labels"][torch.arange(len(rows)), pos].tolist()
     for r, tok in zip(rows, first):
@@ -675,7 +723,10 @@ def train_reward(
             t_step = time.perf_counter()
             loss_sum, n_correct, grad_norm = 0.0, 0.0, None
             for micro in plan[s]:
-                batch = encode_rows(processor, [train_rows[j] for j in shard(micro, rank, bs)], answer)
+                idx = shard(micro, rank, bs)
+                rows = [train_rows[j] for j in idx]
+                views = [row_images(train_rows[j], cfg.augment, seed=cfg.seed, epoch=epoch, index=j) for j in idx]
+                batch = encode_rows(processor, rows, answer, views)
                 with accelerator.accumulate(model):
                     with accelerator.autocast():
                         logits, labels = _forward(model, batch, accelerator.device)

@@ -50,6 +50,7 @@ def test_reversed_scorer_and_paired_comparison():
     assert E.summarise_rankings(bad)["kendall_tau_ranks"] == -1.0
     cmp = E.paired_comparison(good, bad)
     assert cmp["mean"] == 1.0 and cmp["p_value"] < 1e-3
+    assert cmp["per_prompt"]["n"] == inst["prompt_id"].nunique() and cmp["per_prompt"]["mean"] == 1.0
 
 
 @pytest.mark.parametrize("scorer", [lambda t: [float("nan")] * len(t), lambda t: [0.5]])

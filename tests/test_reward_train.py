@@ -395,3 +395,72 @@ def test_accelerate_configs_parse(name, dist):
     if name == "fsdp":
         assert cfg.fsdp_config["fsdp_reshard_after_forward"] == "FULL_SHARD"
         assert "Qwen2_5_VLDecoderLayer" in cfg.fsdp_config["fsdp_transformer_layer_cls_to_wrap"]
+
+
+# --------------------------------------------------------------------------------------------
+# pair augmentation (reward_train.augment)
+# --------------------------------------------------------------------------------------------
+
+
+def _pair_images() -> tuple[Image.Image, Image.Image]:
+    rng = np.random.default_rng(3)
+    a = Image.fromarray(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8))
+    b = Image.fromarray(rng.integers(0, 256, (30, 30, 3), dtype=np.uint8))
+    return a, b
+
+
+def test_augment_swap_and_flip_are_exact():
+    from paco.params import PairAugmentParams
+    from paco.reward_train import augment_pair
+
+    a, b = _pair_images()
+    rng = np.random.default_rng(0)
+    va, vb = augment_pair(a, b, PairAugmentParams(enabled=True, swap=1.0, hflip=0.0), rng)
+    assert np.array_equal(np.asarray(va), np.asarray(b)) and np.array_equal(np.asarray(vb), np.asarray(a))
+    va, vb = augment_pair(a, b, PairAugmentParams(enabled=True, swap=0.0, hflip=1.0), rng)
+    assert np.array_equal(np.asarray(va), np.asarray(a)[:, ::-1])
+    assert np.array_equal(np.asarray(vb), np.asarray(b)[:, ::-1])
+
+
+def test_augment_crop_follows_the_documented_draws():
+    from paco.params import PairAugmentParams
+    from paco.reward_train import augment_pair
+
+    a, b = _pair_images()
+    aug = PairAugmentParams(enabled=True, swap=0.0, hflip=0.0, crop_scale=(0.25, 0.5))
+    va, vb = augment_pair(a, b, aug, np.random.default_rng(7))
+    draws = np.random.default_rng(7).random(9)  # swap, then (flip, area, x, y) per image
+    for im, view, (area_u, fx, fy) in ((a, va, draws[2:5]), (b, vb, draws[6:9])):
+        area = 0.25 + 0.25 * area_u
+        w, h = im.size
+        cw, ch = round(w * area ** 0.5), round(h * area ** 0.5)
+        x0, y0 = int(fx * (w - cw + 1)), int(fy * (h - ch + 1))
+        want = im.crop((x0, y0, x0 + cw, y0 + ch)).resize((w, h), Image.Resampling.BICUBIC)
+        assert view.size == im.size
+        assert np.array_equal(np.asarray(view), np.asarray(want))
+
+
+def test_row_images_is_deterministic_per_row_and_epoch_and_off_by_default():
+    from paco.params import PairAugmentParams
+    from paco.reward_train import SftRow, row_images
+
+    a, b = _pair_images()
+    row = SftRow("p0", encode_image(a)["bytes"], encode_image(b)["bytes"], "q", "Yes.", True)
+    plain = row_images(row)
+    assert np.array_equal(np.asarray(plain[0]), np.asarray(a))
+    assert np.array_equal(np.asarray(row_images(row, PairAugmentParams())[1]), np.asarray(b))  # enabled: false
+    aug = PairAugmentParams(enabled=True, crop_scale=(0.5, 0.9))
+    first = [np.asarray(x) for x in row_images(row, aug, seed=1, epoch=2, index=5)]
+    again = [np.asarray(x) for x in row_images(row, aug, seed=1, epoch=2, index=5)]
+    assert all(np.array_equal(x, y) for x, y in zip(first, again))
+    others = [[np.asarray(x) for x in row_images(row, aug, seed=1, epoch=e, index=5)] for e in range(3, 8)]
+    assert any(o[0].shape != first[0].shape or not np.array_equal(o[0], first[0]) for o in others)
+
+
+def test_augment_crop_scale_is_validated():
+    from pydantic import ValidationError
+
+    from paco.params import PairAugmentParams
+
+    with pytest.raises(ValidationError, match="crop_scale"):
+        PairAugmentParams(enabled=True, crop_scale=(0.9, 0.5))
