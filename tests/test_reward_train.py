@@ -349,7 +349,9 @@ def test_two_cpu_processes_equal_one_process(tiny_model_dirs, tmp_path):
 
     sft = tmp_path / "sft.parquet"
     write_parquet(sft, make_sft_table(32, 8, seed=1), image_columns=["image_a", "image_b"])
-    common = dict(seed=0, learning_rate=1e-2, epochs=1, first_token_weight=0.5, checkpoint_every=2)
+    # with pair augmentation: its views are keyed by the global row index, not the process
+    common = dict(seed=0, learning_rate=1e-2, epochs=1, first_token_weight=0.5, checkpoint_every=2,
+                  augment=dict(enabled=True, crop_scale=[0.7, 1.0]))
     base = tiny_model_dirs["judge_base"]
     m1 = _launch(tmp_path, "one", 1, dict(common, batch_size=8, gradient_accumulation_steps=1), sft, base)
     # per process: batch 2 x 2 accumulation steps; global batch 2 x 2 processes x 2 = 8
