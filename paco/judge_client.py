@@ -164,11 +164,11 @@ class JudgeClient:
             raise JudgeError(f"judge health check {url} failed: {exc}") from None
         return obj if isinstance(obj, dict) else {}
 
-    def _score_one(self, triple: tuple[Image.Image, Image.Image, str]) -> float:
-        a, b, text = triple
+    def _score_one(self, request: tuple[bytes, bytes, str]) -> float:
+        png_a, png_b, text = request
         payload = {
             "model": self.model,
-            "messages": build_openai_messages(png_bytes(a), png_bytes(b), text),
+            "messages": build_openai_messages(png_a, png_b, text),
             "max_tokens": 1,
             "temperature": 0.0,
             "logprobs": True,
@@ -196,10 +196,17 @@ class JudgeClient:
         self.requests += len(triples)
         if not triples:
             return []
-        if self.concurrency == 1 or len(triples) == 1:
-            return [self._score_one(t) for t in triples]
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(triples))) as pool:
-            return list(pool.map(self._score_one, triples))
+        # each distinct image is PNG-encoded once (a grid's panels appear in several pairs)
+        pngs: dict[int, bytes] = {}
+        for a, b, _ in triples:
+            for im in (a, b):
+                if id(im) not in pngs:
+                    pngs[id(im)] = png_bytes(im)
+        requests = [(pngs[id(a)], pngs[id(b)], text) for a, b, text in triples]
+        if self.concurrency == 1 or len(requests) == 1:
+            return [self._score_one(r) for r in requests]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(requests))) as pool:
+            return list(pool.map(self._score_one, requests))
 
 
 class LocalJudgeServer:

@@ -21,7 +21,7 @@ Endpoints:
   ``max_tokens > 1`` is a 400.
 * ``GET /v1/models`` -- the served model name.
 * ``GET /health`` -- 200 with ``{"status": "ok"}`` and counters (``requests``,
-  ``forward_passes``, ``max_batch``) once the model is loaded.
+  ``forward_passes``, ``max_batch``, ``isolated_batches``) once the model is loaded.
 
 Dynamic batching: request threads put their item in a queue; one worker thread takes the first
 waiting item, then keeps taking items until ``max_batch_size`` are collected or ``max_wait_ms``
@@ -30,7 +30,10 @@ have passed since the first, and scores them in one forward pass
 passes; ``/health``'s counters show how many.
 
 Errors: a malformed request is a 400 with the reason, an unknown model name a 404 (vLLM's
-behaviour), a failure in the forward pass a 500 for every request of that batch; the server
+behaviour). When a batched forward pass fails, its requests are scored again one at a time, so
+only the request that caused it fails: a 400 if the judge's processor refused its input
+(``ValueError``, e.g. an extreme aspect ratio), else a 500. A request not answered within
+``--request-timeout-s`` is a 503 and is dropped from the queue (not computed later). The server
 keeps running.
 """
 
@@ -48,6 +51,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -152,6 +156,7 @@ class BatchingJudge:
         self.requests = 0
         self.forward_passes = 0
         self.max_batch = 0
+        self.isolated_batches = 0  # batches whose forward pass failed and were rescored one by one
         self._lock = threading.Lock()
         self._token_text: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name="judge-batcher", daemon=True)
@@ -189,28 +194,46 @@ class BatchingJudge:
             batch.append(item)
         return batch, stop
 
+    def _score(self, batch: list[_Item]) -> None:
+        """One forward pass for ``batch``; sets each item's result (raises on failure)."""
+        logits = self.judge.first_token_logits([it.triple for it in batch])
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        with self._lock:
+            self.forward_passes += 1
+            self.max_batch = max(self.max_batch, len(batch))
+        for row, it in zip(logprobs, batch, strict=True):
+            k = min(max(it.top_k, 1), row.shape[-1])
+            values, ids = torch.topk(row, k)
+            top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+            it.future.set_result((top[0][0], top[0][1], top[: it.top_k]))
+
     def _run(self) -> None:
         while True:
             first = self.queue.get()
             if first is None:
                 return
             batch, stop = self._collect(first)
+            # requests whose handler gave up (timeout) were cancelled: do not compute them
+            batch = [it for it in batch if it.future.set_running_or_notify_cancel()]
             try:
-                logits = self.judge.first_token_logits([it.triple for it in batch])
-                logprobs = torch.log_softmax(logits.float(), dim=-1)
-                with self._lock:
-                    self.forward_passes += 1
-                    self.max_batch = max(self.max_batch, len(batch))
-                for row, it in zip(logprobs, batch, strict=True):
-                    k = min(max(it.top_k, 1), row.shape[-1])
-                    values, ids = torch.topk(row, k)
-                    top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
-                    it.future.set_result((top[0][0], top[0][1], top[: it.top_k]))
-            except Exception as exc:  # noqa: BLE001 - every waiting request gets the error
-                log.exception("judge forward pass failed for a batch of %d", len(batch))
-                for it in batch:
-                    if not it.future.done():
-                        it.future.set_exception(exc)
+                if batch:
+                    self._score(batch)
+            except Exception as exc:  # noqa: BLE001 - isolated below, then sent to the waiting request
+                if len(batch) == 1:
+                    log.exception("judge forward pass failed")
+                    batch[0].future.set_exception(exc)
+                else:
+                    # one bad input must not fail the requests batched with it: score one by one
+                    with self._lock:
+                        self.isolated_batches += 1
+                    log.warning("judge forward pass failed for a batch of %d (%s: %s); scoring its "
+                                "requests one at a time", len(batch), type(exc).__name__, exc)
+                    for it in batch:
+                        try:
+                            self._score([it])
+                        except Exception as one:  # noqa: BLE001 - this request's own error
+                            log.exception("judge forward pass failed for one request")
+                            it.future.set_exception(one)
             if stop:
                 return
 
@@ -275,7 +298,8 @@ def make_server(judge: Any, served_model_name: str, host: str = "127.0.0.1", por
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path.rstrip("/") == "/health":
                 self._send(200, {"status": "ok", "model": served_model_name, "requests": batcher.requests,
-                                 "forward_passes": batcher.forward_passes, "max_batch": batcher.max_batch})
+                                 "forward_passes": batcher.forward_passes, "max_batch": batcher.max_batch,
+                                 "isolated_batches": batcher.isolated_batches})
             elif self.path.rstrip("/") == "/v1/models":
                 self._send(200, {"object": "list", "data": [
                     {"id": served_model_name, "object": "model", "owned_by": "paco", "max_model_len": None}]})
@@ -296,8 +320,16 @@ def make_server(judge: Any, served_model_name: str, host: str = "127.0.0.1", por
             except (ValueError, UnicodeDecodeError) as exc:
                 self._error(400, f"invalid JSON body ({exc})")
                 return
+            future = batcher.submit(triple, top_k)
             try:
-                result = batcher.submit(triple, top_k).result(timeout=request_timeout_s)
+                result = future.result(timeout=request_timeout_s)
+            except FutureTimeout:
+                future.cancel()  # still queued: the batcher skips it
+                self._error(503, f"judge did not answer within {request_timeout_s:g} s")
+                return
+            except ValueError as exc:  # the judge's processor refused this input: not retryable
+                self._error(400, f"judge cannot score this input: {exc}")
+                return
             except Exception as exc:  # noqa: BLE001 - reported to the client as a 500
                 self._error(500, f"judge failed: {type(exc).__name__}: {exc}")
                 return
@@ -322,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-wait-ms", type=float, default=10.0)
     p.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS, help="largest top_logprobs served")
+    p.add_argument("--request-timeout-s", type=float, default=300.0,
+                   help="a request not answered within this is dropped from the queue (HTTP 503)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -337,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     judge = Judge.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=device)
     server = make_server(judge, args.served_model_name, args.host, args.port,
                          max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
-                         max_logprobs=args.max_logprobs)
+                         max_logprobs=args.max_logprobs, request_timeout_s=args.request_timeout_s)
     host, port = server.server_address[:2]
     log.info("serving %s as %r on http://%s:%d/v1 (batch <= %d, wait <= %g ms)", args.model,
              args.served_model_name, host, port, args.max_batch_size, args.max_wait_ms)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,12 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
         role: materialise(role, spec, root / role, seed=TINY_SEED)
         for role, spec in TINY_ROLES.items()
     }
+
+
+@pytest.fixture()
+def dead_url() -> str:
+    """An OpenAI-style base URL on a localhost port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +18,6 @@ from paco.io import write_parquet
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompts(path: Path) -> Path:
@@ -61,8 +55,8 @@ def _run(module: str, args: list[str]) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-def test_dead_judge_url_fails_the_stage_with_the_url(tiny_model_dirs, tmp_path):
-    url = f"http://127.0.0.1:{_closed_port()}/v1"
+def test_dead_judge_url_fails_the_stage_with_the_url(tiny_model_dirs, tmp_path, dead_url):
+    url = dead_url
     params = _params(tmp_path, url=url, retries=1, backoff_s=0.01, timeout_s=2)
     out = tmp_path / "grpo"
     proc = _run("stages.grpo", [
@@ -157,3 +151,26 @@ def test_two_gloo_processes_give_the_one_process_result(tiny_model_dirs, tmp_pat
         a, b = w1[k].numpy() - w0, w2[k].numpy() - w0
         assert np.linalg.norm(a) > 0, k
         assert np.linalg.norm(a - b) <= 0.05 * np.linalg.norm(a), (k, np.linalg.norm(a - b) / np.linalg.norm(a))
+
+
+@pytest.mark.slow
+def test_a_judge_server_that_cannot_start_fails_every_process(tiny_model_dirs, tmp_path):
+    """With 2 processes, rank 0's server failure reaches rank 1 too (no rank waits forever)."""
+    params = _params(tmp_path)
+    raw = yaml.safe_load(params.read_text())
+    raw["judge"]["server"]["startup_timeout_s"] = 0.01  # not even the model load fits in this
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    out = tmp_path / "grpo"
+    cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", "2",
+           "-m", "stages.grpo", "--params", str(params), "--subtask", "t2is",
+           "--prompts", str(_prompts(tmp_path / "prompts.parquet")),
+           "--policy", str(tiny_model_dirs["policy_t2is"]), "--judge", str(tiny_model_dirs["judge_base"]),
+           "--clip", str(tiny_model_dirs["clip"]), "--lora", str(out / "lora"), "--checkpoints", str(out / "ck"),
+           "--plots", str(out / "plots"), "--metrics", str(out / "metrics.json")]
+    env = {**os.environ, "PACO_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    # both ranks report the server's failure (a hang would have hit the timeout instead)
+    assert proc.stderr.count("not healthy after 0.01 s") >= 2, proc.stderr[-3000:]
+    assert not (out / "metrics.json").exists()

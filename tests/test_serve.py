@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -113,14 +112,9 @@ def test_protocol_endpoints_and_errors(server):
         JudgeClient(url, "nope", retries=3).score([(a, b, "same?")])
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def test_unreachable_judge_fails_after_bounded_retries():
-    url = f"http://127.0.0.1:{_closed_port()}/v1"
+def test_unreachable_judge_fails_after_bounded_retries(dead_url):
+    url = dead_url
     client = JudgeClient(url, NAME, retries=2, backoff_s=0.01, timeout_s=2)
     a, b = _images(2)
     with pytest.raises(JudgeError) as err:
@@ -146,3 +140,54 @@ def test_local_server_that_cannot_start_reports_its_log(tmp_path):
         with LocalJudgeServer(tmp_path / "no-such-model", NAME, startup_timeout_s=60):
             pass
     assert "no-such-model" in str(err.value)
+
+
+def test_one_bad_input_fails_only_its_own_request(server, judge):
+    """A batch whose forward pass fails is rescored one request at a time: the request the
+    processor refuses (aspect ratio > 200) gets a non-retryable 400, the others their scores."""
+    srv, url = server
+    a, b = _images(2)
+    sliver = Image.new("RGB", (300, 1), (200, 30, 30))
+    bodies = [{"model": NAME, "messages": build_openai_messages(png_bytes(x), png_bytes(b), "same?"),
+               "max_tokens": 1, "logprobs": True, "top_logprobs": VOCAB} for x in (a, sliver, b, a)]
+    results: list = [None] * len(bodies)
+
+    def post(i: int) -> None:
+        results[i] = _post(f"{url}/chat/completions", bodies[i])
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = [r[0] for r in results]
+    assert statuses == [200, 400, 200, 200], results[1]
+    assert "aspect ratio" in results[1][1]["message"]
+    assert srv.batcher.isolated_batches >= 1, "no failing batch was isolated (the requests were not batched)"
+    good = [yes_probability(r[1]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) for i, r in
+            enumerate(results) if i != 1]
+    np.testing.assert_allclose(good, judge.score([(a, b, "same?"), (b, b, "same?"), (a, b, "same?")]), atol=1e-5)
+
+
+def test_cancelled_requests_are_not_computed(judge):
+    from paco.serve import BatchingJudge
+
+    calls: list[int] = []
+
+    class Counting:
+        processor = judge.processor
+
+        def first_token_logits(self, triples):
+            calls.append(len(triples))
+            return judge.first_token_logits(triples)
+
+    batcher = BatchingJudge(Counting(), max_batch_size=8, max_wait_ms=300)
+    try:
+        a, b = _images(2)
+        kept = batcher.submit((a, b, "same?"), 5)
+        dropped = batcher.submit((b, a, "same?"), 5)
+        assert dropped.cancel()  # still queued (the batcher waits up to 300 ms for more)
+        assert kept.result(timeout=60)[2] and len(kept.result()[2]) == 5
+        assert calls == [1]
+    finally:
+        batcher.close()
