@@ -1,5 +1,6 @@
 """One DAG, two engines: dvc.yaml is the registry's rendering, and DVC and Snakemake agree."""
 
+import ast
 import re
 import subprocess
 import sys
@@ -36,6 +37,47 @@ def test_every_stage_declares_existing_code_and_params_sections():
         # outputs live under data/<stage>/ (DESIGN.md §2)
         for out in stage.outs + stage.out_dirs + stage.metrics + stage.plot_outs + stage.persist:
             assert out.startswith(f"data/{stage.name}/"), out
+
+
+def _module_file(module: str) -> Path | None:
+    path = ROOT / Path(*module.split("."))
+    if path.with_suffix(".py").is_file():
+        return path.with_suffix(".py")
+    return path / "__init__.py" if (path / "__init__.py").is_file() else None
+
+
+def _project_imports(path: Path) -> set[Path]:
+    """Files of the ``paco`` / ``stages`` modules ``path`` imports (module or function level)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] in ("paco", "stages") and (f := _module_file(name)) is not None:
+                found.add(f)
+    return found
+
+
+def test_every_stage_declares_the_code_it_imports():
+    """The transitive closure of project imports of ``stages/<name>.py`` is in its code deps, so
+    editing any module a stage runs reruns the stage. Edges out of ``paco/params.py`` are not
+    followed: its validators import the reward registry lazily, for the names only."""
+    params_py = ROOT / "paco" / "params.py"
+    for stage in registry.STAGES:
+        seen, todo = set(), [ROOT / "stages" / f"{stage.name}.py"]
+        while todo:
+            f = todo.pop()
+            if f not in seen:
+                seen.add(f)
+                if f != params_py:
+                    todo += _project_imports(f) - seen
+        declared = [ROOT / d for d in stage.code]
+        missing = sorted(str(f.relative_to(ROOT)) for f in seen if f.name != "__init__.py"
+                         and not any(f == d or d in f.parents for d in declared))
+        assert not missing, f"{stage.name} imports but does not declare {missing}"
 
 
 def test_foreach_members_take_their_item():

@@ -151,12 +151,14 @@ def _d(stage: str, name: str) -> str:
 
 
 COMMON_CODE = ("paco/params.py", "paco/io.py", "paco/stage.py")
+#: the judge and what loading and prompting it runs
+JUDGE_CODE = ("paco/judge.py", "paco/losses.py", "paco/templates.py", "paco/models/loading.py")
 
 STAGES: tuple[Stage, ...] = (
     Stage(
         name="models",
         args=(("--out", "data/models"), ("--metrics", _d("models", "metrics.json"))),
-        code=COMMON_CODE + ("stages/models.py", "paco/models"),
+        code=COMMON_CODE + ("stages/models.py", "paco/models", "paco/templates.py"),
         params=("models",),
         out_dirs=tuple(f"data/models/{role}" for role in MODEL_ROLES),
         metrics=(_d("models", "metrics.json"),),
@@ -169,7 +171,7 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("prompts", "metrics.json")),
         ),
         deps=("${prompts.jsonl}",),
-        code=COMMON_CODE + ("stages/prompts.py", "paco/prompts.py"),
+        code=COMMON_CODE + ("stages/prompts.py", "paco/prompts.py", "paco/photos.py"),
         params=("prompts",),
         outs=(_d("prompts", "prompts.parquet"),),
         metrics=(_d("prompts", "metrics.json"),),
@@ -184,7 +186,7 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("composites", "metrics.json")),
         ),
         deps=(_d("prompts", "prompts.parquet"), "data/models/policy_t2is", "${composites.import.dir}"),
-        code=COMMON_CODE + ("stages/composites.py", "paco/composites.py", "paco/photos.py"),
+        code=COMMON_CODE + ("stages/composites.py", "paco/composites.py", "paco/photos.py", "paco/models/loading.py"),
         params=("composites",),
         outs=(_d("composites", "composites.parquet"),),
         metrics=(_d("composites", "metrics.json"),),
@@ -220,7 +222,7 @@ STAGES: tuple[Stage, ...] = (
             "data/models/clip",
             "${pairs.annotations}",
         ),
-        code=COMMON_CODE + ("stages/pairs.py", "paco/pairs.py", "paco/clip.py"),
+        code=COMMON_CODE + ("stages/pairs.py", "paco/pairs.py", "paco/clip.py", "paco/models/loading.py"),
         params=("pairs",),
         outs=(_d("pairs", "rank_instances.parquet"), _d("pairs", "pairs.parquet")),
         metrics=(_d("pairs", "metrics.json"),),
@@ -236,7 +238,8 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("labels", "metrics.json")),
         ),
         deps=(_d("pairs", "pairs.parquet"), _d("subfigures", "panels.parquet"), _d("prompts", "prompts.parquet")),
-        code=COMMON_CODE + ("stages/labels.py", "paco/labels.py", "paco/teacher.py", "paco/templates.py"),
+        code=COMMON_CODE + ("stages/labels.py", "paco/labels.py", "paco/teacher.py", "paco/templates.py", "paco/http.py",
+                             "paco/models/loading.py"),
         params=("labels",),
         outs=(_d("labels", "sft.parquet"),),
         persist=(_d("labels", "progress"),),
@@ -277,7 +280,7 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("reward_merge", "metrics.json")),
         ),
         deps=("data/models/judge_base", _d("reward_train", "adapter"), _d("labels", "sft.parquet")),
-        code=COMMON_CODE + ("stages/reward_merge.py", "paco/judge.py"),
+        code=COMMON_CODE + JUDGE_CODE + ("stages/reward_merge.py",),
         params=("reward_merge",),
         out_dirs=(_d("reward_merge", "model"),),
         metrics=(_d("reward_merge", "metrics.json"),),
@@ -302,7 +305,7 @@ STAGES: tuple[Stage, ...] = (
             _d("subfigures", "panels.parquet"),
             _d("prompts", "prompts.parquet"),
         ),
-        code=COMMON_CODE + ("stages/reward_eval.py", "paco/evaluation.py", "paco/metrics.py", "paco/judge.py", "paco/clip.py"),
+        code=COMMON_CODE + JUDGE_CODE + ("stages/reward_eval.py", "paco/evaluation.py", "paco/metrics.py", "paco/clip.py"),
         params=("reward_eval",),
         outs=(_d("reward_eval", "predictions.parquet"),),
         metrics=(_d("reward_eval", "metrics.json"),),
@@ -313,7 +316,7 @@ STAGES: tuple[Stage, ...] = (
 GRPO_CODE = COMMON_CODE + (
     "paco/policy.py", "paco/sde.py", "paco/rewards.py", "paco/judge_client.py", "paco/serve.py", "paco/judge.py",
     "paco/http.py", "paco/clip.py", "paco/subfigures.py", "paco/templates.py", "paco/models/loading.py",
-    "paco/checkpoints.py",
+    "paco/checkpoints.py", "paco/composites.py", "paco/photos.py", "paco/losses.py",
 )
 
 STAGES += (
@@ -361,7 +364,7 @@ STAGES += (
         ),
         deps=(_d("prompts", "prompts.parquet"), "data/models/${item.policy}", "data/grpo/${key}/lora",
               _d("reward_merge", "model"), "data/models/clip"),
-        code=GRPO_CODE + ("stages/sample.py", "stages/grpo.py", "paco/sampling.py"),
+        code=GRPO_CODE + ("stages/sample.py", "stages/grpo.py", "paco/sampling.py", "paco/grpo.py", "paco/advantages.py"),
         params=("sample.${key}", "judge", "subfigures"),
         outs=("data/sample/${key}/samples.parquet",),
         out_dirs=("data/sample/${key}/sheets",),
