@@ -44,14 +44,16 @@ step equals the single-process step up to float summation order.
 
 Checkpoints (every ``save_every`` epochs and after the last): ``epoch-NNNN/`` with the trained,
 old and EMA LoRA weights (``lora.safetensors``), the optimizer (``optimizer.pt``), the RNG
-states (``rng.pt``) and ``trainer_state.json`` (epoch, history, fingerprint). A rerun resumes
-from the newest checkpoint whose fingerprint (params except ``save_every``/``eval``, process
-count, prompts, policy model) matches, else starts fresh. Since every random draw is seeded
+states (``rng-<rank>.pt``) and ``trainer_state.json`` (epoch, history, fingerprint). A rerun resumes
+from the newest checkpoint whose fingerprint (params except ``save_every``/``eval``/``epochs``,
+process count, prompts, policy model) matches and that is not past ``epochs``, else starts
+fresh (so raising ``epochs`` continues a finished run). Since every random draw is seeded
 from ``(seed, epoch, ...)``, a resumed run equals an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -127,13 +129,13 @@ def generators(seed: int, stream: str, epoch: int, prompt_id: str, indices: Sequ
 
 @dataclass
 class Trajectory:
-    """One sampled trajectory kept for training (CPU tensors)."""
+    """One sampled trajectory kept for training (latents on the CPU; the prompt embeddings are
+    the group's, on the policy's device)."""
 
     index: int                 # global index in the epoch (prompt-major)
     prompt_id: str
-    embeds: PromptEmbeds       # one row
+    embeds: PromptEmbeds       # one row, shared by the prompt's group
     latents: torch.Tensor      # (n_sde, 2, seq, C)
-    log_probs: torch.Tensor    # (n_sde,) under the sampling policy
     sigmas: torch.Tensor       # (N + 1,)
     timesteps: torch.Tensor    # (N,)
     sde_indices: tuple[int, ...]
@@ -162,8 +164,8 @@ def sample_group(policy: FluxPolicy, prompt: PromptInfo, embeds: PromptEmbeds, i
         images += policy.decode(roll.final_latents, height, width)
         for r, g in enumerate(chunk):
             trajs.append(Trajectory(
-                index=base_index + g, prompt_id=prompt.prompt_id, embeds=embeds.select([0]),
-                latents=roll.latents[r].cpu(), log_probs=roll.log_probs[r].cpu(), sigmas=roll.sigmas,
+                index=base_index + g, prompt_id=prompt.prompt_id, embeds=embeds,
+                latents=roll.latents[r].cpu(), sigmas=roll.sigmas,
                 timesteps=roll.timesteps, sde_indices=roll.sde_indices, height=height, width=width,
             ))
     return trajs, images
@@ -248,9 +250,11 @@ class LoraEMA:
 def fingerprint_parts(cfg: GrpoSubtaskParams, *, prompts_digest: str, policy_digest: str,
                       num_processes: int) -> dict[str, str]:
     """What a checkpoint must match to be resumed: the params (except ``save_every`` and
-    ``eval``, which do not change the trained weights, and ``resources``), the process count,
-    the prompt rows and the policy model files."""
-    params = json.dumps(cfg.model_dump(mode="json", exclude={"save_every", "eval", "resources"}), sort_keys=True)
+    ``eval``, which do not change the trained weights, ``resources``, and ``epochs``: no
+    schedule depends on it, so a longer run continues a shorter one's checkpoints), the process
+    count, the prompt rows and the policy model files."""
+    params = json.dumps(cfg.model_dump(mode="json", exclude={"save_every", "eval", "resources", "epochs"}),
+                        sort_keys=True)
     return {"params": hashlib.sha256(params.encode()).hexdigest(), "num_processes": str(int(num_processes)),
             "prompts": prompts_digest, "policy": policy_digest}
 
@@ -303,19 +307,25 @@ def _sum_grads(accelerator: Any, params: Sequence[torch.nn.Parameter]) -> None:
 def evaluate(policy: FluxPolicy, prompts: Sequence[PromptInfo], sizes: Sequence[tuple[int, int]],
              cfg: GrpoSubtaskParams, ctx: RewardContext, *, rank: int = 0, world: int = 1,
              accelerator: Any = None) -> dict[str, Any]:
-    """ODE samples of ``prompts`` (one each, seed ``stable_seed(seed, "eval", prompt_id)``) at
-    ``sizes`` with the active weights; mean and std of every reward and of their weighted sum."""
+    """ODE samples of ``prompts`` (one each, initial noise from
+    ``stable_seed(seed, "eval", 0, prompt_id, 0)``) at ``sizes`` with the active weights, in
+    batches of up to ``eval.batch_size`` prompts of one size; mean and std of every reward and of
+    their weighted sum."""
     e = cfg.eval
     rows = []
     mine = list(range(rank, len(prompts), world))
+    by_size: dict[tuple[int, int], list[int]] = {}
     for i in mine:
-        p = prompts[i]
-        h, w = sizes[i]
-        emb = policy.encode_prompts([p.prompt])
-        roll = policy.sample(emb, height=h, width=w, num_steps=e.num_steps, noise_level=0.0,
-                             sde_indices=[], noise_generators=generators(cfg.seed, "eval", 0, p.prompt_id, [0]))
-        image = policy.decode(roll.final_latents, h, w)[0]
-        rows.append((i, image))
+        by_size.setdefault(tuple(sizes[i]), []).append(i)
+    for (h, w), idx in by_size.items():
+        for start in range(0, len(idx), e.batch_size):
+            chunk = idx[start:start + e.batch_size]
+            emb = policy.encode_prompts([prompts[i].prompt for i in chunk])
+            noise = [generators(cfg.seed, "eval", 0, prompts[i].prompt_id, [0])[0] for i in chunk]
+            roll = policy.sample(emb, height=h, width=w, num_steps=e.num_steps, noise_level=0.0,
+                                 sde_indices=[], noise_generators=noise)
+            rows += zip(chunk, policy.decode(roll.final_latents, h, w), strict=True)
+    rows.sort(key=lambda r: r[0])
     rewards = compute_rewards(list(cfg.rewards), [im for _, im in rows], [prompts[i] for i, _ in rows], ctx)
     local = [(i, {k: float(v[j]) for k, v in rewards.items()}) for j, (i, _) in enumerate(rows)]
     allrows = sorted(_gather(accelerator, local), key=lambda r: r[0])
@@ -344,11 +354,14 @@ class EpochInfo:
     policy: FluxPolicy
 
 
+#: the ``prompts.parquet`` columns GRPO and final sampling read
+PROMPT_COLUMNS = ["prompt_id", "split", "prompt", "global_prompt", "rows", "cols", "height", "width", "panel_prompts"]
+
+
 def prompts_digest(prompts: pd.DataFrame) -> str:
-    """sha256 of the prompt rows GRPO reads (id, split, prompt, layout, panel prompts)."""
-    cols = ["prompt_id", "split", "prompt", "global_prompt", "rows", "cols", "height", "width", "panel_prompts"]
+    """sha256 of the prompt rows GRPO reads (:data:`PROMPT_COLUMNS`)."""
     h = hashlib.sha256()
-    for rec in prompts.sort_values("prompt_id")[cols].to_dict("records"):
+    for rec in prompts.sort_values("prompt_id")[PROMPT_COLUMNS].to_dict("records"):
         h.update(json.dumps({k: (list(v) if not isinstance(v, (str, int, float)) else v) for k, v in rec.items()},
                             sort_keys=True, default=str).encode())
     return h.hexdigest()
@@ -450,7 +463,6 @@ def train_grpo(
     with torch.no_grad():  # LoRA weights stay float32 (bf16 base on GPUs)
         for p in list(trained.values()) + list(policy.adapter_parameters(OLD_ADAPTER).values()):
             p.data = p.data.float()
-    trained = policy.adapter_parameters(TRAINED_ADAPTER)
     params = list(trained.values())
     t = cfg.train
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=t.adam_betas, eps=t.adam_eps,
@@ -474,6 +486,14 @@ def train_grpo(
     per_sample_rewards: list[list[float]] = []
     start_epoch, resumed_from = 0, None
     found = ckpt.resumable(ckdir, CHECKPOINT_PREFIX, fp, parts, main=main, log=log)
+    if found is not None and int(found[1]["epoch"]) > cfg.epochs:
+        # a longer run's checkpoint: its weights went past this run's end, start fresh
+        if main:
+            log.warning("checkpoint %s is after epoch %d > epochs %d: starting fresh, removing the checkpoints",
+                        found[0], int(found[1]["epoch"]), cfg.epochs)
+            for old in list_checkpoints(ckdir):
+                shutil.rmtree(old, ignore_errors=True)
+        found = None
     if found is not None:
         from safetensors.torch import load_file
 
@@ -529,7 +549,7 @@ def train_grpo(
 
     def run_eval(epoch: int) -> None:
         t0 = time.perf_counter()
-        weights_ctx = ema.swapped_in(trained) if ema is not None else _null()
+        weights_ctx = ema.swapped_in(trained) if ema is not None else contextlib.nullcontext()
         with weights_ctx, policy.using(TRAINED_ADAPTER):
             res = evaluate(policy, eval_prompts, eval_sizes, cfg, ctx, rank=rank, world=world, accelerator=accelerator)
         res = {"epoch": epoch, **res, "seconds": round(time.perf_counter() - t0, 3)}
@@ -689,7 +709,7 @@ def train_grpo(
     if accelerator is not None:
         accelerator.wait_for_everyone()
     if main and lora_dir is not None:
-        weights_ctx = ema.swapped_in(trained) if ema is not None else _null()
+        weights_ctx = ema.swapped_in(trained) if ema is not None else contextlib.nullcontext()
         with weights_ctx:
             save_lora(policy, cfg, lora_dir)
     if main:
@@ -725,14 +745,6 @@ def train_grpo(
         "seconds_per_epoch": round(sum(timings.values()) / epochs_this_run, 3) if epochs_this_run else None,
         "wall_seconds_train_grpo": round(wall, 2),
     }
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def save_lora(policy: FluxPolicy, cfg: GrpoSubtaskParams, lora_dir: str | os.PathLike[str]) -> None:

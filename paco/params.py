@@ -353,6 +353,13 @@ class JudgeParams(_Section):
                               "(vLLM and paco.serve default 20)")
     server: JudgeServerParams = Field(default_factory=JudgeServerParams)
 
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> "JudgeParams":
+        if self.url is None and self.top_logprobs > self.server.max_logprobs:
+            raise ValueError(f"top_logprobs {self.top_logprobs} exceeds server.max_logprobs "
+                             f"{self.server.max_logprobs}: the local judge server would refuse every request")
+        return self
+
 
 # --------------------------------------------------------------------------------------------
 # grpo / sample (foreach over subtasks)
@@ -371,6 +378,14 @@ class PolicyLoraParams(_Section):
         "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
         "ff_context.net.2",
     ])
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError(f"dropout {v}: must be 0 (Flow-GRPO's ratio needs the same deterministic "
+                             "log-prob when sampling and when training, so LoRA dropout is not supported)")
+        return v
 
 
 class GrpoSampleParams(_Section):
@@ -491,6 +506,7 @@ class SampleSubtaskParams(_Section):
     batch_size: int = Field(4, ge=1)
     max_sequence_length: int = Field(512, ge=8, le=512)
     rewards: list[str] = Field(default_factory=lambda: ["consistency", "clip_t", "pickscore"])
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16 applies on CUDA only")
     resources: SubtaskResources = Field(default_factory=SubtaskResources)
 
     @field_validator("rewards")

@@ -129,6 +129,7 @@ class FluxPolicy:
                 torch.manual_seed(int(seed))
                 self.transformer.add_adapter(config, adapter_name=TRAINED_ADAPTER)
                 self.transformer.add_adapter(config, adapter_name=OLD_ADAPTER)
+            self.transformer.eval()  # the injected LoRA modules start in training mode
             self.copy_adapter(TRAINED_ADAPTER, OLD_ADAPTER)
             self.set_adapter(TRAINED_ADAPTER)
 

@@ -101,7 +101,8 @@ def final_samples(cfg: SampleSubtaskParams, prompts: pd.DataFrame, policy_dir: s
             for p, r in zip(infos, test.to_dict("records"), strict=True) for k in range(cfg.seeds_per_prompt)]
     mine = list(range(rank, len(jobs), world))
     device = accelerator.device if accelerator is not None else torch.device("cpu")
-    pipe = load_flux_pipeline(policy_dir)
+    dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and device.type == "cuda") else torch.float32
+    pipe = load_flux_pipeline(policy_dir, dtype=dtype)
     pipe.to(device)
     rows: list[dict[str, Any]] = []
     for variant in VARIANTS:

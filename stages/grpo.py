@@ -62,7 +62,7 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
     """Yield the judge base URL: ``judge.url``, or a local ``paco.serve`` started by the main
     process (the URL is broadcast to the other processes), logging to ``log_dir/judge_server.log``
     (a persisted directory: the server log of every run is kept)."""
-    from paco.judge_client import LocalJudgeServer
+    from paco.judge_client import JudgeError, LocalJudgeServer
 
     cfg = params.judge
     if cfg.url:
@@ -72,20 +72,27 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
         raise ArtifactError(f"{judge_dir}: no judge model (run reward_merge, or set judge.url)")
     s = cfg.server
     server = None
-    url = None
+    url = error = None
     if accelerator.is_main_process:
         server = LocalJudgeServer(judge_dir, cfg.served_model_name, max_batch_size=s.max_batch_size,
                                   max_wait_ms=s.max_wait_ms, threads=s.threads, startup_timeout_s=s.startup_timeout_s,
                                   device=s.device, dtype=s.dtype, max_logprobs=s.max_logprobs,
                                   log_path=log_dir / "judge_server.log" if log_dir else None)
-        url = server.__enter__()
+        try:
+            url = server.__enter__()
+        except JudgeError as exc:
+            if accelerator.num_processes == 1:
+                raise
+            server, error = None, str(exc)  # told to every process below, so none waits forever
     try:
         if accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
-            box = [url]
+            box = [url, error]
             broadcast_object_list(box, from_process=0)
-            url = box[0]
+            url, error = box
+            if error is not None:
+                raise JudgeError(error)
         yield url
     finally:
         accelerator.wait_for_everyone()
@@ -121,14 +128,13 @@ def make_accelerator():
 
 
 def _body(args: argparse.Namespace, params: Params) -> dict:
-    from paco.grpo import train_grpo
+    from paco.grpo import PROMPT_COLUMNS, train_grpo
     from paco.judge_client import JudgeError
     from paco.rewards import RewardError
 
     cfg = subtask_params(params, "grpo", args.subtask)
     logging.getLogger("accelerate").setLevel(logging.WARNING)
-    prompts = read_parquet(args.prompts, required=["prompt_id", "split", "prompt", "rows", "cols", "panel_prompts",
-                                                   "height", "width"])
+    prompts = read_parquet(args.prompts, required=PROMPT_COLUMNS)
     accelerator = make_accelerator()
     try:
         with judge_endpoint(params, args.judge, accelerator, args.checkpoints) as url:

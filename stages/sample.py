@@ -26,10 +26,16 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from paco.io import ArtifactError, atomic_write_bytes, read_parquet, write_parquet  # noqa: E402
+from paco.checkpoints import replace_dir  # noqa: E402
+from paco.io import ArtifactError, read_parquet, write_parquet  # noqa: E402
 from paco.params import Params  # noqa: E402
 from paco.stage import log, run  # noqa: E402
-from stages.grpo import judge_endpoint, make_accelerator, make_reward_context, subtask_params  # noqa: E402
+from stages.grpo import (  # noqa: E402
+    judge_endpoint,
+    make_accelerator,
+    make_reward_context,
+    subtask_params,
+)
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +53,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _body(args: argparse.Namespace, params: Params) -> dict:
     import io
 
+    from paco.grpo import PROMPT_COLUMNS
     from paco.judge_client import JudgeError
     from paco.rewards import RewardError
     from paco.sampling import final_samples
@@ -55,8 +62,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     if not (args.lora / "pytorch_lora_weights.safetensors").is_file():
         raise ArtifactError(f"{args.lora}: no pytorch_lora_weights.safetensors (run grpo@{args.subtask})")
-    prompts = read_parquet(args.prompts, required=["prompt_id", "split", "prompt", "rows", "cols", "panel_prompts",
-                                                   "height", "width"])
+    prompts = read_parquet(args.prompts, required=PROMPT_COLUMNS)
     accelerator = make_accelerator()
     try:
         with judge_endpoint(params, args.judge, accelerator, None) as url:
@@ -76,9 +82,8 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     for variant, sheet in sheets.items():
         buf = io.BytesIO()
         sheet.save(buf, format="PNG")
-        atomic_write_bytes(tmp / f"{variant}.png", buf.getvalue())
-    shutil.rmtree(args.sheets, ignore_errors=True)
-    os.replace(tmp, args.sheets)
+        (tmp / f"{variant}.png").write_bytes(buf.getvalue())  # the directory is renamed into place
+    replace_dir(tmp, args.sheets)
     for name, r in metrics["rewards"].items():
         log.info("sample@%s %-12s base %.4f -> lora %.4f (diff %+.4f, improved %.0f%%, p=%s)", args.subtask, name,
                  r["base_mean"], r["lora_mean"], r["lora_minus_base"], 100 * r["improved_fraction"],

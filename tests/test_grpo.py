@@ -63,13 +63,15 @@ def _cfg(**over) -> GrpoSubtaskParams:
 
 
 def test_clipped_surrogate_by_hand():
-    ratio = torch.tensor([1.0, 1.5, 0.5, 1.05, 0.97])
+    ratio = torch.tensor([1.0, 1.5, 0.5, 1.05, 0.97, 0.5, 1.5])
     logp = torch.log(ratio)
-    adv = torch.tensor([2.0, 1.0, 1.0, -1.0, -2.0])
-    loss, r = clipped_surrogate(logp, torch.zeros(5), adv, clip_range=0.1)
+    adv = torch.tensor([2.0, 1.0, 1.0, -1.0, -2.0, -1.0, -1.0])
+    loss, r = clipped_surrogate(logp, torch.zeros(7), adv, clip_range=0.1)
     torch.testing.assert_close(r, ratio)
-    # max(-A r, -A clip(r, 0.9, 1.1)) element by element
-    expected = torch.tensor([-2.0, max(-1.5, -1.1), max(-0.5, -0.9), max(1.05, 1.05), max(1.94, 1.94)])
+    # max(-A r, -A clip(r, 0.9, 1.1)) element by element; the last two hit the lower / upper
+    # bound with A < 0 (the clipped branch wins at 0.5, the unclipped one at 1.5)
+    expected = torch.tensor([-2.0, max(-1.5, -1.1), max(-0.5, -0.9), max(1.05, 1.05), max(1.94, 1.94),
+                             max(0.5, 0.9), max(1.5, 1.1)])
     torch.testing.assert_close(loss, expected)
 
 
@@ -200,6 +202,21 @@ def test_resume_equals_uninterrupted(tiny_model_dirs, tmp_path):
     other = train_grpo(_cfg(epochs=4, save_every=2, train=dict(learning_rate=0.005)), prompts,
                        tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=None, checkpoints_dir=tmp_path / "ckb")
     assert other["resumed_from"] is None and other["epochs_this_run"] == 4
+    # raising `epochs` continues a finished run (the same LoRA as the uninterrupted 4 epochs) ...
+    train_grpo(_cfg(epochs=2, save_every=2), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+               lora_dir=tmp_path / "c2", checkpoints_dir=tmp_path / "ckc")
+    longer = train_grpo(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "c",
+                        checkpoints_dir=tmp_path / "ckc")
+    assert longer["resumed_from"] == "epoch-0002" and longer["epochs_this_run"] == 2
+    c = load_file(str(tmp_path / "c" / "pytorch_lora_weights.safetensors"))
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    # ... and lowering it does not resume from past the new end
+    again = train_grpo(_cfg(epochs=2, save_every=2), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+                       lora_dir=tmp_path / "c2b", checkpoints_dir=tmp_path / "ckc")
+    assert again["resumed_from"] is None and again["epochs_this_run"] == 2
+    assert [p.name for p in list_checkpoints(tmp_path / "ckc")] == ["epoch-0002"]
+    s2, s2b = (load_file(str(tmp_path / d / "pytorch_lora_weights.safetensors")) for d in ("c2", "c2b"))
+    assert all(torch.equal(s2[k], s2b[k]) for k in s2)
 
 
 def test_a_failing_judge_stops_training_instead_of_scoring_zero(tiny_model_dirs, tmp_path):

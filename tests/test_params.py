@@ -35,6 +35,8 @@ def test_committed_params_validate_and_set_every_field():
         (("nonsense",), {}, "nonsense: Extra inputs are not permitted"),
         (("composites", "photos", "levels"), [0, 1, 2, 3], "tied rankings"),
         (("composites", "seeds_per_prompt"), 3, "seeds_per_prompt is 3"),
+        (("judge", "top_logprobs"), 50, "exceeds server.max_logprobs 20"),
+        (("reward_train", "augment", "crop_scale"), [0.9, 0.5], "crop_scale [0.9, 0.5]"),
     ],
 )
 def test_bad_keys_are_named(path, value, needle):
