@@ -5,7 +5,7 @@ resolutions (paper §4.2: sample and train the 2x2 grid at 512, evaluate at 1024
         [--models data/models] [--judge data/reward_merge/model] [--prompts data/prompts/prompts.parquet]
 
 Uses the embedded default's ``grpo.t2is`` params with only ``train.resolution`` changed (eval
-disabled), the real rewards and the judge served by ``python -m paco.serve``. The models and
+only at the start and the end, outside the per-epoch figures), the real rewards and the judge served by ``python -m paco.serve``. The models and
 prompts default to a finished ``dvc repro``'s outputs; ``--build`` builds the tiny models and a
 prompt table in a temp dir instead (the base judge then stands in for the merged one). Prints
 seconds per epoch split into sampling, rewards and the policy update, and the ratio between the
@@ -85,7 +85,7 @@ def main() -> None:
                 results[res] = sum(per.values())
                 print(f"train resolution {res:5d}px: {results[res]:6.2f} s/epoch  (sampling {per['sample']:.2f}, "
                       f"rewards {per['reward']:.2f}, update {per['train']:.2f}; {m['trajectories_per_epoch']} "
-                      f"trajectories/epoch; wall {wall:.1f} s incl. final eval and setup)", flush=True)
+                      f"trajectories/epoch; wall {wall:.1f} s incl. setup and the first and final eval)", flush=True)
         lo, hi = args.resolutions
         print(f"epoch cost {hi}px / {lo}px: {results[hi] / results[lo]:.2f}x")
 

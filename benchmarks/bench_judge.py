@@ -96,10 +96,12 @@ def main() -> None:
             serial.score(triples[:2])
             s1 = rate(lambda: serial.score(triples), len(triples))
             conc = JudgeClient(url, "bench", concurrency=args.batch, top_logprobs=top)
+            h0 = conc.health()  # the server's counters are lifetime totals: report this run's share
             s2 = rate(lambda: conc.score(triples), len(triples))
-            health = conc.health()
+            h1 = conc.health()
             print(f"served       1 in flight: {s1:7.1f} pairs/s   {args.batch} in flight: {s2:7.1f} pairs/s "
-                  f"({s2 / s1:.1f}x; {health['requests']} requests in {health['forward_passes']} forward passes)")
+                  f"({s2 / s1:.1f}x; {h1['requests'] - h0['requests']} requests in "
+                  f"{h1['forward_passes'] - h0['forward_passes']} forward passes)")
 
         # training step time of reward_train (LoRA, first-token-weighted loss, AdamW)
         from paco.judge import check_answer_tokens, encode_sft

@@ -107,12 +107,12 @@ import torch
 from PIL import Image
 
 from paco import checkpoints as ckpt
-from paco.checkpoints import model_digest as base_model_digest  # noqa: F401 - public here too
+from paco.checkpoints import model_digest as base_model_digest
 from paco.io import ArtifactError, decode_image, read_parquet, write_json
 from paco.judge import AnswerTokens, check_answer_tokens, encode_sft, p_yes_from_logits
 from paco.losses import IGNORE_INDEX, answer_positions, first_token_weighted_loss
 from paco.params import LoraParams, PairAugmentParams, RewardTrainParams
-from paco.stage import cpu_threads_per_process  # noqa: F401 - public here too
+from paco.stage import cpu_threads_per_process
 
 log = logging.getLogger("paco.reward_train")
 
@@ -415,10 +415,6 @@ def fingerprint(parts: dict[str, str]) -> str:
 def list_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[Path]:
     """Complete checkpoints (``step-N`` directories holding ``trainer_state.json``), oldest first."""
     return ckpt.list_checkpoints(checkpoints_dir, CHECKPOINT_PREFIX)
-
-
-def read_checkpoint_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    return ckpt.read_state(path)
 
 
 # --------------------------------------------------------------------------------------------

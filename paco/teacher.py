@@ -71,7 +71,7 @@ from typing import Any, Callable
 import numpy as np
 from PIL import Image
 
-from paco.http import PermanentHTTPError, TransientHTTPError, request_json
+from paco.http import PermanentHTTPError, TransientHTTPError, backoff_delay, request_json
 from paco.templates import (
     NO,
     YES,
@@ -830,7 +830,7 @@ class OpenAITeacher(Teacher):
             except TransientHTTPError as e:
                 last_err = str(e)
                 if attempt < self.retries:
-                    time.sleep(min(self.backoff_s * (2 ** transport_failures), self.backoff_max_s))
+                    time.sleep(backoff_delay(transport_failures + 1, self.backoff_s, self.backoff_max_s))
                 transport_failures += 1
                 continue
             reasons, err = validate_answer(raw, item.label, self.max_reasons)
