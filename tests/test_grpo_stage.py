@@ -55,6 +55,19 @@ def _run(module: str, args: list[str]) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
+def _launch_grpo(processes: int, params: Path, prompts: Path, dirs: dict, out: Path,
+                 timeout: int = 900) -> subprocess.CompletedProcess:
+    """``accelerate launch`` (CPU config) of the grpo stage with ``processes`` processes."""
+    cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", str(processes),
+           "-m", "stages.grpo", "--params", str(params), "--subtask", "t2is", "--prompts", str(prompts),
+           "--policy", str(dirs["policy_t2is"]), "--judge", str(dirs["judge_base"]), "--clip", str(dirs["clip"]),
+           "--lora", str(out / "lora"), "--checkpoints", str(out / "ck"), "--plots", str(out / "plots"),
+           "--metrics", str(out / "metrics.json")]
+    env = {**os.environ, "PACO_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 def test_dead_judge_url_fails_the_stage_with_the_url(tiny_model_dirs, tmp_path, dead_url):
     url = dead_url
     params = _params(tmp_path, url=url, retries=1, backoff_s=0.01, timeout_s=2)
@@ -122,14 +135,7 @@ def test_two_gloo_processes_give_the_one_process_result(tiny_model_dirs, tmp_pat
     out = {}
     for n in (1, 2):
         d = tmp_path / f"p{n}"
-        cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", str(n),
-               "-m", "stages.grpo", "--params", str(params), "--subtask", "t2is", "--prompts", str(prompts),
-               "--policy", str(tiny_model_dirs["policy_t2is"]), "--judge", str(tiny_model_dirs["judge_base"]),
-               "--clip", str(tiny_model_dirs["clip"]), "--lora", str(d / "lora"), "--checkpoints", str(d / "ck"),
-               "--plots", str(d / "plots"), "--metrics", str(d / "metrics.json")]
-        env = {**os.environ, "PACO_NUM_THREADS": "1",
-               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+        proc = _launch_grpo(n, params, prompts, tiny_model_dirs, d)
         assert proc.returncode == 0, proc.stderr[-4000:]
         out[n] = (load_file(str(d / "lora" / "pytorch_lora_weights.safetensors")),
                   pd.read_csv(d / "plots" / "train.csv"), json.loads((d / "metrics.json").read_text()))
@@ -161,15 +167,7 @@ def test_a_judge_server_that_cannot_start_fails_every_process(tiny_model_dirs, t
     raw["judge"]["server"]["startup_timeout_s"] = 0.01  # not even the model load fits in this
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
     out = tmp_path / "grpo"
-    cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", "2",
-           "-m", "stages.grpo", "--params", str(params), "--subtask", "t2is",
-           "--prompts", str(_prompts(tmp_path / "prompts.parquet")),
-           "--policy", str(tiny_model_dirs["policy_t2is"]), "--judge", str(tiny_model_dirs["judge_base"]),
-           "--clip", str(tiny_model_dirs["clip"]), "--lora", str(out / "lora"), "--checkpoints", str(out / "ck"),
-           "--plots", str(out / "plots"), "--metrics", str(out / "metrics.json")]
-    env = {**os.environ, "PACO_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = _launch_grpo(2, params, _prompts(tmp_path / "prompts.parquet"), tiny_model_dirs, out, timeout=300)
     assert proc.returncode != 0
     # both ranks report the server's failure (a hang would have hit the timeout instead)
     assert proc.stderr.count("not healthy after 0.01 s") >= 2, proc.stderr[-3000:]
