@@ -13,22 +13,19 @@ truth (panel_bboxes, panel_levels, subject, drift_subject, drift_style).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from paco.io import ArtifactError, ImageDecodeError, decode_image, encode_image
+from paco.io import ArtifactError, ImageDecodeError, encode_image, iter_text_lines, load_image
 from paco.params import GenerateParams, ImportParams
-from paco.photos import stable_hash
+from paco.seeding import stable_seed
 
 COMPOSITE_COLUMNS = ["composite_id", "prompt_id", "seed", "image", "height", "width"]
-
-
-def stable_seed(*parts: Any) -> int:
-    """A 63-bit integer seed from the parts' text, stable across processes and runs."""
-    return stable_hash("\x1f".join(str(p) for p in parts)) >> 1
 
 
 def composite_id(prompt_id: str, seed: int) -> str:
@@ -98,72 +95,228 @@ def generate_composites(
     return pd.DataFrame.from_records(records, columns=COMPOSITE_COLUMNS)
 
 
-def read_manifest(path: Path) -> pd.DataFrame:
-    """Read an import manifest (``.jsonl`` or ``.parquet``) with composite_id, prompt_id, seed,
-    file (a path relative to the manifest's folder).
+class ManifestError(ArtifactError):
+    """The import manifest as a whole is unusable: missing or unreadable, lacking a column,
+    repeating a composite_id, or leaving no composite to import."""
+
+
+class ManifestRowError(ArtifactError):
+    """One manifest row is unusable. The message names the manifest row (``manifest.jsonl:3``
+    or ``manifest.parquet row 3``), the composite_id when known, the field and the file."""
+
+    def __init__(self, where: str, reason: str, *, composite_id: str | None = None,
+                 field: str | None = None, file: str | None = None):
+        self.where, self.reason, self.composite_id, self.field, self.file = where, reason, composite_id, field, file
+        who = f" composite {composite_id!r}" if composite_id is not None else ""
+        super().__init__(f"{where}:{who} {reason}")
+
+
+class CompositeFileMissingError(ManifestRowError):
+    """A manifest row's ``file`` does not exist (names the row, the composite and the path)."""
+
+
+#: Columns every manifest row needs.
+MANIFEST_COLUMNS = ("composite_id", "prompt_id", "seed", "file")
+
+
+def _is_missing(v: Any) -> bool:
+    return v is None or v is pd.NA or (isinstance(v, (float, np.floating)) and math.isnan(v))
+
+
+def read_manifest(path: Path, *, strict: bool = True) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
+    """Read an import manifest (``.jsonl`` or ``.parquet``) whose rows give composite_id,
+    prompt_id, seed and file (a path relative to the manifest's folder).
+
+    A ``.jsonl`` manifest is read as UTF-8 (a leading byte-order mark is ignored); each
+    non-blank line must be a JSON object.
+
+    Returns:
+        ``(rows, skipped)``: ``rows`` are ``(where, record)`` with ``where`` the row's location
+        (``"<path>:<line>"`` for jsonl, ``"<path> row <n>"``, 1-based, for Parquet);
+        ``skipped`` lists ``{"row", "composite_id", "field", "file", "reason"}`` for lines that
+        are not valid UTF-8, not JSON or not an object (always empty when ``strict``).
 
     Raises:
-        ArtifactError: missing file or column, duplicate composite_id, malformed line.
+        ManifestError: no manifest, an unreadable Parquet file, a column that no row has, or a
+            manifest without rows.
+        ManifestRowError: (``strict``) the first line that is not UTF-8, JSON or an object.
     """
     if not path.is_file():
-        raise ArtifactError(f"{path}: no import manifest")
+        raise ManifestError(f"{path}: no import manifest")
+    rows: list[tuple[str, dict[str, Any]]] = []
+    skipped: list[dict[str, Any]] = []
     if path.suffix == ".parquet":
-        df = pd.read_parquet(path)
+        try:
+            df = pd.read_parquet(path)
+        except Exception as exc:  # pyarrow raises several unrelated types for a bad file
+            raise ManifestError(f"{path}: cannot read Parquet manifest ({exc})") from exc
+        for n, rec in enumerate(df.to_dict("records"), 1):
+            rows.append((f"{path} row {n}", rec))
+        present = set(df.columns)
     else:
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
+        present = set()
+        for n, text, err in iter_text_lines(path):
+            where = f"{path}:{n}"
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ArtifactError(f"{path}:{n}: invalid JSON ({exc})") from exc
-        df = pd.DataFrame.from_records(rows)
-    missing = {"composite_id", "prompt_id", "seed", "file"} - set(df.columns)
-    if missing:
-        raise ArtifactError(f"{path}: manifest lacks column(s) {sorted(missing)}")
-    dup = df["composite_id"][df["composite_id"].duplicated()].tolist()
-    if dup:
-        raise ArtifactError(f"{path}: duplicate composite_id(s) {dup[:5]}")
-    return df
+                if err is not None:
+                    raise ManifestRowError(where, err)
+                if not text.strip():
+                    continue
+                try:
+                    rec = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ManifestRowError(where, f"invalid JSON ({exc})") from None
+                if not isinstance(rec, dict):
+                    raise ManifestRowError(where, f"a row must be a JSON object, got {type(rec).__name__}")
+            except ManifestRowError as exc:
+                if strict:
+                    raise
+                skipped.append(_skip_entry(exc))
+                continue
+            present |= set(rec)
+            rows.append((where, rec))
+    missing = [c for c in MANIFEST_COLUMNS if c not in present]
+    if rows and missing:
+        raise ManifestError(f"{path}: manifest lacks column(s) {missing}")
+    if not rows and not skipped:
+        raise ManifestError(f"{path}: the import manifest has no rows")
+    return rows, skipped
+
+
+def _skip_entry(exc: ManifestRowError) -> dict[str, Any]:
+    return {"row": exc.where, "composite_id": exc.composite_id, "field": exc.field, "file": exc.file,
+            "reason": str(exc)}
+
+
+def _check_row(where: str, rec: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Validate one manifest record; returns composite_id (str), prompt_id (str), seed (int),
+    file (str) and path. Raises ManifestRowError naming the field."""
+    cid = rec.get("composite_id")
+    if _is_missing(cid):
+        raise ManifestRowError(where, "field 'composite_id' is missing", field="composite_id")
+    if isinstance(cid, (bool, np.bool_)) or not isinstance(cid, (str, int, np.integer)) or not str(cid).strip():
+        raise ManifestRowError(
+            where, f"field 'composite_id' must be a non-empty string or an integer, got {type(cid).__name__} {cid!r}",
+            field="composite_id",
+        )
+    cid = str(cid)
+    for col in MANIFEST_COLUMNS[1:]:
+        if _is_missing(rec.get(col)):
+            raise ManifestRowError(where, f"field {col!r} is missing", composite_id=cid, field=col)
+    pid = rec["prompt_id"]
+    if isinstance(pid, (bool, np.bool_)) or not isinstance(pid, (str, int, np.integer)):
+        raise ManifestRowError(where, f"field 'prompt_id' must be a string, got {type(pid).__name__} {pid!r}",
+                               composite_id=cid, field="prompt_id")
+    seed = rec["seed"]
+    value: int | None = None
+    if isinstance(seed, (bool, np.bool_)):
+        value = None
+    elif isinstance(seed, (int, np.integer)):
+        value = int(seed)
+    elif isinstance(seed, (float, np.floating)) and float(seed).is_integer():
+        value = int(seed)
+    elif isinstance(seed, str) and seed.strip().isdigit() and seed.strip().isascii():
+        value = int(seed.strip())
+    if value is None or value < 0:
+        raise ManifestRowError(where, f"field 'seed' must be a non-negative integer, got {type(seed).__name__} {seed!r}",
+                               composite_id=cid, field="seed")
+    file = rec["file"]
+    if not isinstance(file, str) or not file.strip():
+        raise ManifestRowError(where, f"field 'file' must be a non-empty path string, got {type(file).__name__} {file!r}",
+                               composite_id=cid, field="file")
+    full = folder / file
+    if not full.is_file():
+        raise CompositeFileMissingError(where, f"field 'file': {file!r} not found (looked for {full})",
+                                        composite_id=cid, field="file", file=file)
+    return {"composite_id": cid, "prompt_id": str(pid), "seed": value, "file": file, "path": full}
 
 
 def import_composites(
     cfg: ImportParams, prompt_ids: set[str], *, strict: bool = True
-) -> tuple[pd.DataFrame, list[dict[str, str]]]:
+) -> tuple[pd.DataFrame, list[dict[str, Any]], dict[str, Any]]:
     """Load existing composites listed in ``<cfg.dir>/<cfg.manifest>``.
 
+    Each image is decoded by :func:`paco.io.load_image` with ``max_pixels=cfg.max_pixels``: EXIF
+    orientation applied, 16-bit greyscale scaled to 8 bits, alpha composited onto
+    :data:`paco.io.ALPHA_BACKGROUND` (white), then stored as an RGB PNG cell.
+
     Returns:
-        ``(composites, skipped)``; with ``strict=False`` an unreadable image is skipped and
-        reported in ``skipped`` as ``{"composite_id", "reason"}``.
+        ``(composites, skipped, conversions)``. ``composites`` has ``COMPOSITE_COLUMNS``.
+        ``skipped`` (only with ``strict=False``) lists ``{"row", "composite_id", "field",
+        "file", "reason"}`` for every row left out: a line that is not UTF-8/JSON/an object, a
+        missing or mistyped field, a missing file, an image that cannot be decoded, is too
+        large or has an unsupported mode. ``conversions`` counts the imported images that were
+        changed on decoding: ``exif_rotated``, ``rescaled_16bit``, ``alpha_flattened``, and
+        lists the composite_ids in ``alpha_flattened_ids``.
 
     Raises:
-        ArtifactError: manifest problems, an unknown prompt_id, or (strict) an unreadable image
-            (the message names the composite_id and file).
+        ManifestError: manifest problems (see :func:`read_manifest`), a composite_id that
+            repeats (``1`` and ``"1"`` are the same id), or nothing left to import.
+        ArtifactError: a prompt_id that is not in the prompts.
+        ManifestRowError: (strict) a bad row (names row, field and file);
+            :class:`CompositeFileMissingError` for a missing file.
+        ImageDecodeError: (strict) an unreadable image; :class:`paco.io.ImageTooLargeError`
+            above ``cfg.max_pixels``; :class:`paco.io.UnsupportedImageModeError`. The message
+            names the manifest row, the composite_id and the file.
     """
     folder = Path(cfg.dir)
-    manifest = read_manifest(folder / cfg.manifest)
-    unknown = sorted(set(manifest["prompt_id"].astype(str)) - prompt_ids)
-    if unknown:
-        raise ArtifactError(f"import manifest: prompt_id(s) not in prompts: {unknown[:5]}")
-    records, skipped = [], []
-    for row in manifest.to_dict("records"):
-        cid, file = str(row["composite_id"]), folder / str(row["file"])
+    manifest, skipped = read_manifest(folder / cfg.manifest, strict=strict)
+    checked: list[tuple[str, dict[str, Any]]] = []
+    for where, rec in manifest:
         try:
-            image = decode_image(file.read_bytes() if file.is_file() else None, what=f"composite {cid} ({file})")
-        except ImageDecodeError as exc:
+            checked.append((where, _check_row(where, rec, folder)))
+        except ManifestRowError as exc:
             if strict:
                 raise
-            skipped.append({"composite_id": cid, "reason": str(exc)})
+            skipped.append(_skip_entry(exc))
+    first: dict[str, str] = {}
+    for where, row in checked:
+        if row["composite_id"] in first:
+            raise ManifestError(
+                f"duplicate composite_id {row['composite_id']!r}: {first[row['composite_id']]} and {where}"
+            )
+        first[row["composite_id"]] = where
+    unknown = sorted({row["prompt_id"] for _, row in checked} - prompt_ids)
+    if unknown:
+        raise ArtifactError(f"import manifest: prompt_id(s) not in prompts: {unknown[:5]}")
+    records = []
+    conversions: dict[str, Any] = {"exif_rotated": 0, "rescaled_16bit": 0, "alpha_flattened": 0,
+                                   "alpha_flattened_ids": []}
+    for where, row in checked:
+        cid, path = row["composite_id"], row["path"]
+        try:
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise ManifestRowError(where, f"field 'file': cannot read {str(path)!r} ({exc})",
+                                       composite_id=cid, field="file", file=row["file"]) from exc
+            image, info = load_image(data, what=f"{where}: composite {cid!r} (file {path})",
+                                     max_pixels=cfg.max_pixels)
+        except (ImageDecodeError, ManifestRowError) as exc:
+            if strict:
+                raise
+            skipped.append({"row": where, "composite_id": cid, "field": "file", "file": row["file"],
+                            "reason": str(exc)})
             continue
+        conversions["exif_rotated"] += info.orientation != 1
+        conversions["rescaled_16bit"] += info.rescaled_16bit
+        if info.alpha_flattened:
+            conversions["alpha_flattened"] += 1
+            conversions["alpha_flattened_ids"].append(cid)
         records.append(
             {
                 "composite_id": cid,
-                "prompt_id": str(row["prompt_id"]),
-                "seed": int(row["seed"]),
-                "image": encode_image(image, path=file.name),
+                "prompt_id": row["prompt_id"],
+                "seed": row["seed"],
+                "image": encode_image(image, path=path.name),
                 "height": image.height,
                 "width": image.width,
             }
         )
-    return pd.DataFrame.from_records(records, columns=COMPOSITE_COLUMNS), skipped
+    if not records:
+        reasons = "; ".join(s["reason"] for s in skipped[:3])
+        raise ManifestError(
+            f"{folder / cfg.manifest}: no composite could be imported ({len(skipped)} row(s) skipped"
+            + (f": {reasons}" if reasons else "") + ")"
+        )
+    return pd.DataFrame.from_records(records, columns=COMPOSITE_COLUMNS), skipped, conversions

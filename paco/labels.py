@@ -5,17 +5,19 @@ the known label; the target is ``Yes. <reason>1. ... 2. ...</reason>`` (or bare 
 ``No.`` for the fast variant). The instruction is the T2IS theme template filled with the
 prompt's global description (the reference code's ``divide_prompt(prompt)[0]``).
 
-Progress is persisted per chunk of pairs under a progress directory, tagged with a fingerprint
-of everything that determines the result (teacher config, chunking, the pair and panel tables):
-an interrupted run resumes with the chunks it finished; a changed config starts over. Failed
+Progress is persisted per chunk of pairs under a progress directory, tagged with the stage's run
+identity (:mod:`paco.run_identity`: the ``labels`` params, the pair, panel and prompt tables, the
+code the stage runs): an interrupted run resumes with the chunks it finished; any change starts
+over. A chunk file that cannot be read, or does not hold exactly its chunk's pairs, is discarded
+with a warning naming it and labelled again; an unreadable identity marker clears the directory. Failed
 pairs stay in the output with ``status="failed"`` and the teacher's error; they are counted,
 never relabelled or dropped.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -32,36 +34,34 @@ SFT_COLUMNS = [
     "reasons", "response", "teacher", "status", "error", "attempts",
 ]
 _RESULT_COLUMNS = ["pair_id", "reasons", "response", "status", "error", "attempts"]
+_STATUSES = frozenset({"ok", "failed"})
+
+log = logging.getLogger("paco.labels")
 
 
-def file_digest(*paths: str | Path) -> str:
-    """SHA-256 over the bytes of the given files (in order)."""
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
+def prepare_progress(progress_dir: Path, identity: str) -> int:
+    """Make ``progress_dir`` hold only chunks written under run identity ``identity`` (a digest);
+    returns how many exist.
 
-
-def fingerprint(config: dict[str, Any], *inputs: str | Path) -> str:
-    """Hash of a JSON-able config and input files: what makes persisted progress reusable."""
-    blob = json.dumps(config, sort_keys=True, default=str) + file_digest(*inputs)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def prepare_progress(progress_dir: Path, fp: str) -> int:
-    """Make ``progress_dir`` hold only chunks of fingerprint ``fp``; returns how many exist.
-
-    A directory written under another fingerprint (other config or inputs) is cleared.
+    A directory written under another identity (other params, inputs or code) is cleared, and so
+    is one whose ``run_identity.json`` cannot be read (a warning names it): its chunks cannot be
+    trusted to belong to this run.
     """
-    marker = progress_dir / "fingerprint.json"
+    marker = progress_dir / "run_identity.json"
     if progress_dir.exists():
-        old = json.loads(marker.read_text()).get("fingerprint") if marker.is_file() else None
-        if old != fp:
+        old = None
+        if marker.is_file():
+            try:
+                meta = json.loads(marker.read_text(encoding="utf-8"))
+                old = meta.get("identity") if isinstance(meta, dict) else None
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                log.warning("%s is unreadable (%s): discarding the persisted progress", marker, exc)
+        if old != identity:
+            if old is not None:
+                log.info("labels progress was written under another run identity: starting over")
             shutil.rmtree(progress_dir)
     progress_dir.mkdir(parents=True, exist_ok=True)
-    write_json(marker, {"fingerprint": fp})
+    write_json(marker, {"identity": identity})
     return len(list(progress_dir.glob("chunk-*.parquet")))
 
 
@@ -101,6 +101,51 @@ def join_pairs(
     return pd.DataFrame.from_records(rows)
 
 
+def _chunk_path(progress_dir: Path, n: int) -> Path:
+    return progress_dir / f"chunk-{n:05d}.parquet"
+
+
+def _chunk_problem(path: Path, pair_ids: list[str]) -> str | None:
+    """Why a persisted chunk cannot be reused (None if it can): unreadable, wrong columns,
+    other pairs than its chunk's (in order), or a status other than ok/failed."""
+    try:
+        df = read_parquet(path, required=_RESULT_COLUMNS)
+    except ArtifactError as exc:
+        return str(exc)
+    if df["pair_id"].tolist() != pair_ids:
+        return f"holds pairs {df['pair_id'].tolist()[:3]}... instead of its chunk's {pair_ids[:3]}..."
+    bad = sorted(set(df["status"].astype(str)) - _STATUSES)
+    if bad:
+        return f"unknown status value(s) {bad}"
+    return None
+
+
+def discard_invalid_chunks(table: pd.DataFrame, progress_dir: Path, *, chunk_size: int) -> list[dict[str, str]]:
+    """Delete persisted chunks of ``table`` that cannot be reused, so they are labelled again.
+
+    A chunk is discarded when its file cannot be read as Parquet, lacks a result column, holds
+    other pair_ids than rows ``[n * chunk_size, (n + 1) * chunk_size)`` of ``table`` (in that
+    order) or has a status other than ``ok``/``failed``. Each discard is logged as a warning
+    naming the file and the reason.
+
+    Returns:
+        ``[{"chunk": file name, "reason": str}]`` for every discarded chunk.
+    """
+    discarded = []
+    n_chunks = (len(table) + chunk_size - 1) // chunk_size
+    for n in range(n_chunks):
+        path = _chunk_path(progress_dir, n)
+        if not path.is_file():
+            continue
+        ids = table["pair_id"].iloc[n * chunk_size : (n + 1) * chunk_size].tolist()
+        problem = _chunk_problem(path, ids)
+        if problem is not None:
+            log.warning("discarding corrupt progress chunk %s (%s); it will be labelled again", path, problem)
+            path.unlink()
+            discarded.append({"chunk": path.name, "reason": problem})
+    return discarded
+
+
 def label_pairs(
     table: pd.DataFrame,
     teacher: Teacher,
@@ -112,15 +157,20 @@ def label_pairs(
     """Run the teacher over ``table`` (from :func:`join_pairs`) chunk by chunk, persisting each.
 
     Chunk ``n`` covers rows ``[n * chunk_size, (n + 1) * chunk_size)`` and is written atomically
-    to ``progress_dir/chunk-<n>.parquet``; existing chunks are reused (resume). Returns the SFT
-    table (``SFT_COLUMNS``).
+    to ``progress_dir/chunk-<n>.parquet``; existing chunks are reused (resume) unless
+    :func:`discard_invalid_chunks` finds them corrupt, in which case they are labelled again.
+    Returns the SFT table (``SFT_COLUMNS``).
 
     Raises:
-        ArtifactError: the teacher returned results for other pairs than it was given.
+        ArtifactError: no pairs, or the teacher returned results for other pairs than it was
+            given.
     """
     n_chunks = (len(table) + chunk_size - 1) // chunk_size
+    if n_chunks == 0:
+        raise ArtifactError("no pairs to label")
+    discard_invalid_chunks(table, progress_dir, chunk_size=chunk_size)
     for n in progress(range(n_chunks)):
-        path = progress_dir / f"chunk-{n:05d}.parquet"
+        path = _chunk_path(progress_dir, n)
         if path.is_file():
             continue
         chunk = table.iloc[n * chunk_size : (n + 1) * chunk_size]
@@ -154,7 +204,7 @@ def label_pairs(
                 columns=_RESULT_COLUMNS,
             ),
         )
-    done = pd.concat([read_parquet(p) for p in sorted(progress_dir.glob("chunk-*.parquet"))], ignore_index=True)
+    done = pd.concat([read_parquet(_chunk_path(progress_dir, n)) for n in range(n_chunks)], ignore_index=True)
     sft = table.merge(done, on="pair_id", how="left", validate="one_to_one")
     if sft["status"].isna().any():
         raise ArtifactError(f"{int(sft['status'].isna().sum())} pairs have no teacher result after labelling")

@@ -52,7 +52,6 @@ so the output for a prompt does not depend on the other prompts or on row order.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +61,7 @@ import pandas as pd
 from PIL import Image, ImageFilter
 
 from paco.io import encode_image
+from paco.seeding import stable_hash
 from paco.params import PhotosParams
 
 __all__ = [
@@ -126,11 +126,6 @@ _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-
-
-def stable_hash(text: str) -> int:
-    """A 64-bit hash of ``text`` that is stable across processes (unlike ``hash()``)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def style_strength(t: float) -> float:

@@ -24,7 +24,11 @@ key                 required  type and meaning
 ``criteria``        yes       object ``{dimension: {criterion name: text}}``; T2IS-Eval's
                               dimensions are ``Identity``, ``Style`` and ``Logic``. Other
                               dimension names (the released data has a few ``Surroundings``)
-                              are kept. Stored as a JSON string with sorted keys.
+                              are kept. A criterion whose text is ``null`` or blank is
+                              dropped and counted (the released data has them, e.g. case
+                              ``0557``: ``"image": null``; the reference scorer skips them
+                              with ``if c_t``, PaCo-GRPO ``rewards/consistency_scorer.py``).
+                              Stored as a JSON string with sorted keys.
 ``editing_prompts`` no        list of rows*cols str: the first describes panel 1, each next
                               one edits the previous panel into the next (the editing
                               subtasks' input, PaCo-RL §7).
@@ -34,7 +38,8 @@ key                 required  type and meaning
                               with :func:`assign_split`.
 ==================  ========  ================================================================
 
-Other keys (``from``, ``original_idx``, ...) are ignored.
+Other keys (``from``, ``original_idx``, ...) are ignored. The file is UTF-8; a leading
+byte-order mark is ignored (``utf-8-sig``).
 
 Conventions checked against the public data (PaCo-RL's ``dataset/T2IS/*/*_metadata.jsonl``,
 the T2IS-Bench dataset card, and PaCo-RL's ``paco_grpo/utils.py``): ``layout`` is ROWS x COLS
@@ -67,13 +72,16 @@ Panel prompts are returned in row-major order of their tags' positions, not in t
 Errors
 ------
 :class:`PromptFormatError` (an :class:`~paco.io.ArtifactError`, so a ``ValueError``) with the
-file, 1-based line number and reason, for: invalid JSON or a non-object line, a missing key, a
-wrong type or empty required string, a bad layout, a panel tag that does not fit the layout,
+file, 1-based line number and reason, for: a line that is not valid UTF-8 (names the byte and
+its column), invalid JSON or a non-object line, a missing key, a wrong type or empty required
+string, a criterion text that is neither a string nor ``null``, a criteria dimension with no
+non-blank criterion, a bad layout, a panel tag that does not fit the layout,
 a duplicate panel position, a panel count other than rows*cols, an empty panel prompt, a
 ``"<r>x<c> grid"`` in the prompt text that contradicts ``layout``, a non-positive height or
 width, an unknown split, an ``editing_prompts`` list of the wrong length, and a duplicate
 ``prompt_id``. With ``strict=False`` such rows are skipped and listed instead (see
-:func:`read_t2is_jsonl_with_report`); nothing is dropped silently.
+:func:`read_t2is_jsonl_report`); nothing is dropped silently. A file that yields no valid row
+(empty, or every row skipped) raises :class:`EmptyPromptSetError` whatever ``strict`` is.
 """
 
 from __future__ import annotations
@@ -87,9 +95,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dataclasses import dataclass, field
+
 import pandas as pd
 
-from paco.io import ArtifactError
+from paco.io import ArtifactError, iter_text_lines
 from paco.photos import SUBJECTS
 
 __all__ = [
@@ -98,6 +108,8 @@ __all__ = [
     "SPLITS",
     "T2IS_CATEGORIES",
     "PromptFormatError",
+    "EmptyPromptSetError",
+    "T2ISReadResult",
     "assign_split",
     "parse_layout",
     "parse_panel_prompts",
@@ -105,6 +117,7 @@ __all__ = [
     "prompt_id_from_idx",
     "read_t2is_jsonl",
     "read_t2is_jsonl_with_report",
+    "read_t2is_jsonl_report",
 ]
 
 #: Columns of the table :func:`read_t2is_jsonl` returns (``prompts.parquet``, DESIGN.md §2).
@@ -143,6 +156,10 @@ class PromptFormatError(ArtifactError):
         if line is not None:
             where.append(f"line {line}")
         super().__init__(f"{', '.join(where)}: {reason}" if where else reason)
+
+
+class EmptyPromptSetError(PromptFormatError):
+    """A prompt file yields no valid prompt (it is empty, or every row was skipped)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,21 +383,42 @@ def _size_field(rec: Mapping[str, Any], key: str) -> int:
     return v
 
 
-def _criteria_field(rec: Mapping[str, Any]) -> str:
+def _criteria_field(rec: Mapping[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+    """The criteria JSON without null/blank criteria, and the ``(dimension, name)`` dropped.
+
+    A null or blank text carries no criterion: PaCo-GRPO's scorer skips it
+    (``[c_t for c_t in dimension_criteria.values() if c_t]``), so it is dropped here too. Any
+    other non-string text, an empty name, and a dimension left with no criterion (which the
+    reference would score 0 for every image) are errors.
+    """
     crit = rec["criteria"]
     if not isinstance(crit, dict) or not crit:
         raise PromptFormatError("'criteria' must be a non-empty object {dimension: {name: text}}")
+    kept: dict[str, dict[str, str]] = {}
+    dropped: list[tuple[str, str]] = []
     for dim, items in crit.items():
         if not isinstance(items, dict) or not items:
             raise PromptFormatError(f"criteria[{dim!r}] must be a non-empty object {{name: text}}")
+        kept[dim] = {}
         for name, text in items.items():
-            if not isinstance(text, str) or not name.strip():
-                raise PromptFormatError(f"criteria[{dim!r}][{name!r}] must be a string")
-    return json.dumps(crit, sort_keys=True, ensure_ascii=False)
+            if not name.strip() or not (text is None or isinstance(text, str)):
+                raise PromptFormatError(f"criteria[{dim!r}][{name!r}] must be a string (or null)")
+            if text is None or not text.strip():
+                dropped.append((dim, name))
+            else:
+                kept[dim][name] = text
+        if not kept[dim]:
+            raise PromptFormatError(
+                f"criteria[{dim!r}] has no criterion with text (all {len(items)} are null or blank)"
+            )
+    return json.dumps(kept, sort_keys=True, ensure_ascii=False), dropped
 
 
-def parse_record(rec: Any) -> dict[str, Any]:
+def parse_record(rec: Any, *, dropped_criteria: list[tuple[str, str]] | None = None) -> dict[str, Any]:
     """Validate one decoded jsonl object and return its ``prompts.parquet`` row.
+
+    Criteria whose text is null or blank are left out of the row's ``criteria``; their
+    ``(dimension, name)`` are appended to ``dropped_criteria`` when it is given.
 
     Raises:
         PromptFormatError: any of the failures listed in the module docstring (no line number;
@@ -400,7 +438,7 @@ def parse_record(rec: Any) -> dict[str, Any]:
     height = _size_field(rec, "height")
     width = _size_field(rec, "width")
     rows, cols = parse_layout(rec["layout"])
-    criteria = _criteria_field(rec)
+    criteria, dropped = _criteria_field(rec)
 
     for m in _GRID_IN_TEXT_RE.finditer(prompt):
         said = (int(m.group(1)), int(m.group(2)))
@@ -431,6 +469,8 @@ def parse_record(rec: Any) -> dict[str, Any]:
             )
         editing = list(editing)
 
+    if dropped_criteria is not None:
+        dropped_criteria.extend(dropped)
     return {
         "prompt_id": prompt_id,
         "split": split,
@@ -462,67 +502,115 @@ def _to_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(cols, columns=PROMPT_COLUMNS)
 
 
-def read_t2is_jsonl_with_report(
-    path: str | Path, strict: bool = True
-) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
-    """Read a T2IS-format jsonl into a ``prompts.parquet`` table, plus the skipped-row report.
+@dataclass
+class T2ISReadResult:
+    """What :func:`read_t2is_jsonl_report` read.
 
-    Returns:
-        ``(df, skipped)``: ``df`` has :data:`PROMPT_COLUMNS` (one row per valid line, in file
-        order; ``rows``, ``cols``, ``height``, ``width`` int64; the rest object columns whose
-        missing ``split``/``subject``/``editing_prompts`` are ``None``). ``skipped`` lists
-        ``{"line": n, "reason": str}`` for each malformed row, 1-based; always empty when
-        ``strict``. A row whose ``prompt_id`` repeats an earlier one is skipped (or raises)
-        and the first one kept.
+    Attributes:
+        table: :data:`PROMPT_COLUMNS`, one row per valid line in file order (``rows``,
+            ``cols``, ``height``, ``width`` int64; the rest object columns whose missing
+            ``split``/``subject``/``editing_prompts`` are ``None``).
+        skipped: ``{"line": n, "reason": str}`` per malformed row (1-based); empty when strict.
+        dropped_criteria: ``{"line", "prompt_id", "dimension", "criterion"}`` per null or blank
+            criterion left out of a kept row's ``criteria``.
+    """
+
+    table: pd.DataFrame
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    dropped_criteria: list[dict[str, Any]] = field(default_factory=list)
+
+
+def read_t2is_jsonl_report(path: str | Path, strict: bool = True) -> T2ISReadResult:
+    """Read a T2IS-format jsonl into a ``prompts.parquet`` table, with what was skipped or dropped.
+
+    The file is read as UTF-8 with an optional byte-order mark (``utf-8-sig``); lines end at
+    ``\\n``, ``\\r\\n`` or ``\\r``; blank lines are ignored but counted. A line with bytes that
+    are not UTF-8 is a malformed row like any other (line number, byte and column named). A
+    row whose ``prompt_id`` repeats an earlier one is skipped (or raises) and the first kept.
 
     Raises:
-        PromptFormatError: (``strict=True``) the first malformed row, with its line number.
-        FileNotFoundError: no such file.
+        PromptFormatError: (``strict=True``) the first malformed row, with its line number, or
+            the file does not exist.
+        EmptyPromptSetError: no valid row at all (an empty file, or every row skipped); the
+            message lists the first skip reasons.
     """
     path = Path(path)
     records: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
+    dropped_all: list[dict[str, Any]] = []
     first_line: dict[str, int] = {}
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
+    if not path.is_file():
+        raise PromptFormatError("no such prompt file", path=str(path))
+    for lineno, raw, bad_bytes in iter_text_lines(path):
+        if raw is not None and not raw.strip():
+            continue
+        dropped: list[tuple[str, str]] = []
+        try:
+            if bad_bytes is not None:
+                raise PromptFormatError(bad_bytes)
             try:
-                try:
-                    rec = json.loads(raw)
-                except json.JSONDecodeError as e:
-                    raise PromptFormatError(f"invalid JSON: {e.msg} (column {e.colno})") from None
-                row = parse_record(rec)
-                pid = row["prompt_id"]
-                if pid in first_line:
-                    raise PromptFormatError(
-                        f"duplicate prompt_id {pid!r} (first on line {first_line[pid]})"
-                    )
-            except PromptFormatError as e:
-                if strict:
-                    raise PromptFormatError(e.reason, line=lineno, path=str(path)) from None
-                skipped.append({"line": lineno, "reason": e.reason})
-                continue
-            first_line[pid] = lineno
-            records.append(row)
-    return _to_frame(records), skipped
+                rec = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise PromptFormatError(f"invalid JSON: {e.msg} (column {e.colno})") from None
+            row = parse_record(rec, dropped_criteria=dropped)
+            pid = row["prompt_id"]
+            if pid in first_line:
+                raise PromptFormatError(
+                    f"duplicate prompt_id {pid!r} (first on line {first_line[pid]})"
+                )
+        except PromptFormatError as e:
+            if strict:
+                raise PromptFormatError(e.reason, line=lineno, path=str(path)) from None
+            skipped.append({"line": lineno, "reason": e.reason})
+            continue
+        first_line[pid] = lineno
+        records.append(row)
+        dropped_all.extend(
+            {"line": lineno, "prompt_id": pid, "dimension": dim, "criterion": name} for dim, name in dropped
+        )
+    if not records:
+        detail = "; ".join(f"line {s['line']}: {s['reason']}" for s in skipped[:3])
+        raise EmptyPromptSetError(
+            "no valid prompt row"
+            + (f" ({len(skipped)} malformed row(s) skipped: {detail})" if skipped else " (the file is empty)"),
+            path=str(path),
+        )
+    return T2ISReadResult(_to_frame(records), skipped, dropped_all)
+
+
+def read_t2is_jsonl_with_report(
+    path: str | Path, strict: bool = True
+) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+    """``(table, skipped)`` of :func:`read_t2is_jsonl_report` (which also lists the dropped
+    null/blank criteria).
+
+    Raises:
+        PromptFormatError: (``strict=True``) the first malformed row, with its line number.
+        EmptyPromptSetError: the file yields no valid row.
+    """
+    res = read_t2is_jsonl_report(path, strict=strict)
+    return res.table, res.skipped
 
 
 def read_t2is_jsonl(path: str | Path, strict: bool = True) -> pd.DataFrame:
     """Read a T2IS-format jsonl into a ``prompts.parquet`` table (:data:`PROMPT_COLUMNS`).
 
-    The skipped-row report lives in :func:`read_t2is_jsonl_with_report`; with
-    ``strict=False`` this function also issues one ``UserWarning`` naming every skipped line,
-    so no row disappears without notice.
+    The skipped-row report lives in :func:`read_t2is_jsonl_report`; this function issues one
+    ``UserWarning`` naming every skipped line (``strict=False``) and one naming every dropped
+    null/blank criterion, so nothing disappears without notice.
 
     Raises:
         PromptFormatError: (``strict=True``) the first malformed row, with its line number.
+        EmptyPromptSetError: the file yields no valid row.
     """
-    df, skipped = read_t2is_jsonl_with_report(path, strict=strict)
-    if skipped:
-        detail = "; ".join(f"line {s['line']}: {s['reason']}" for s in skipped)
-        warnings.warn(f"{path}: skipped {len(skipped)} malformed row(s): {detail}", stacklevel=2)
-    return df
+    res = read_t2is_jsonl_report(path, strict=strict)
+    if res.skipped:
+        detail = "; ".join(f"line {s['line']}: {s['reason']}" for s in res.skipped)
+        warnings.warn(f"{path}: skipped {len(res.skipped)} malformed row(s): {detail}", stacklevel=2)
+    if res.dropped_criteria:
+        detail = "; ".join(f"line {d['line']}: {d['dimension']}/{d['criterion']}" for d in res.dropped_criteria)
+        warnings.warn(f"{path}: dropped {len(res.dropped_criteria)} null or blank criteria: {detail}", stacklevel=2)
+    return res.table
 
 
 # --------------------------------------------------------------------------------------------

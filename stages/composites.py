@@ -3,6 +3,12 @@
 ``composites.source`` picks the source: ``photos`` (real photographs, embedded default),
 ``generate`` (the ``policy_t2is`` FLUX pipeline, N seeds per prompt) or ``import`` (a folder of
 existing composites plus a manifest). See :mod:`paco.composites`.
+
+``import`` decodes each image by its real mode and orientation and reports in the metrics how
+many were rotated by their EXIF orientation, scaled from 16 to 8 bits, or had transparent pixels
+composited onto white (``import_conversions``); with ``strict: false`` bad manifest rows and
+unreadable, oversized (``composites.import.max_pixels``) or unsupported images are skipped and
+listed in ``skipped``. A run that produces no composite fails here, not stages later.
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from paco import composites as C
-from paco.io import read_parquet, write_parquet
+from paco.io import ALPHA_BACKGROUND, ArtifactError, read_parquet, write_parquet
 from paco.params import Params
-from paco.stage import log, run, seed_everything
+from paco.stage import StageOutput, log, run, seed_everything
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -27,11 +33,12 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
 
-def _body(args: argparse.Namespace, params: Params) -> dict:
+def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     cfg = params.composites
     seed_everything(cfg.seed)
     prompts = read_parquet(args.prompts, required=["prompt_id", "prompt", "rows", "cols", "height", "width"])
-    skipped: list[dict[str, str]] = []
+    skipped: list[dict] = []
+    conversions: dict = {}
     if cfg.source == "photos":
         from paco.photos import render_composites
 
@@ -47,20 +54,32 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
         )
     else:
         import_cfg = cfg.import_.model_copy(update={"dir": str(args.import_dir)})
-        df, skipped = C.import_composites(import_cfg, set(prompts["prompt_id"]), strict=cfg.strict)
+        df, skipped, conversions = C.import_composites(import_cfg, set(prompts["prompt_id"]), strict=cfg.strict)
         for row in skipped:
-            log.warning("skipped composite %s: %s", row["composite_id"], row["reason"])
+            log.warning("skipped manifest row: %s", row["reason"])
+        if conversions["alpha_flattened"]:
+            log.warning(
+                "%d imported composite(s) had transparent pixels, composited onto white %s: %s",
+                conversions["alpha_flattened"], ALPHA_BACKGROUND, conversions["alpha_flattened_ids"][:10],
+            )
+        if conversions["rescaled_16bit"] or conversions["exif_rotated"]:
+            log.info("imported composites: %d 16-bit greyscale scaled to 8 bits, %d rotated by their EXIF orientation",
+                     conversions["rescaled_16bit"], conversions["exif_rotated"])
+    if len(df) == 0:
+        raise ArtifactError(f"composites ({cfg.source}): no composite was produced from {len(prompts)} prompt(s)")
     write_parquet(args.out, df, image_columns=["image"])
     log.info("wrote %d composites (%s) to %s", len(df), cfg.source, args.out)
     per_prompt = df.groupby("prompt_id").size()
-    return {
+    return StageOutput.headline({
         "source": cfg.source,
         "composites": len(df),
         "prompts": int(df["prompt_id"].nunique()),
         "composites_per_prompt": {"min": int(per_prompt.min()), "max": int(per_prompt.max())} if len(df) else {},
         "skipped_composites": len(skipped),
         "skipped": skipped,
-    }
+        "import_conversions": {k: v for k, v in conversions.items() if k != "alpha_flattened_ids"},
+        "alpha_flattened_ids": conversions.get("alpha_flattened_ids", [])[:50],
+    }, "composites", "skipped_composites")
 
 
 def main(argv: list[str] | None = None) -> int:

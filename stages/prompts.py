@@ -3,7 +3,9 @@
 Reads ``--jsonl`` (``prompts.jsonl`` in params), parses layouts and panel prompts
 (:func:`paco.prompts.read_t2is_jsonl`), assigns the train/test split by prompt where the file
 does not give one, and writes ``prompts.parquet`` (DESIGN.md §2) plus metrics: prompt counts per
-split, category and layout, and every skipped malformed row when ``strict: false``.
+split, category and layout, every skipped malformed row when ``strict: false``, and the null or
+blank criteria that were dropped (``dropped_criteria``). A file with no valid row fails here
+(:class:`paco.prompts.EmptyPromptSetError`, exit code 2).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from paco import prompts as P
 from paco.io import write_parquet
 from paco.params import Params
-from paco.stage import log, run
+from paco.stage import StageOutput, log, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -24,11 +26,15 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
 
-def _body(args: argparse.Namespace, params: Params) -> dict:
+def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     cfg = params.prompts
-    df, skipped = P.read_t2is_jsonl_with_report(args.jsonl, strict=cfg.strict)
+    res = P.read_t2is_jsonl_report(args.jsonl, strict=cfg.strict)
+    df, skipped, dropped = res.table, res.skipped, res.dropped_criteria
     for row in skipped:
         log.warning("skipped malformed row: line %s: %s", row["line"], row["reason"])
+    if dropped:
+        log.info("dropped %d null or blank criteria (as the reference scorer does): %s", len(dropped),
+                 ", ".join(f"{d['prompt_id']} {d['dimension']}/{d['criterion']}" for d in dropped[:10]))
     split = P.assign_split(
         df["prompt_id"].tolist(), cfg.test_fraction, cfg.seed, categories=df["category"].tolist()
     )
@@ -37,14 +43,16 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     write_parquet(args.out, df)
     layouts = (df["rows"].astype(str) + "x" + df["cols"].astype(str)).value_counts()
     log.info("wrote %d prompts (%d skipped) to %s", len(df), len(skipped), args.out)
-    return {
+    return StageOutput.headline({
         "prompts": len(df),
         "skipped_rows": len(skipped),
         "skipped": skipped,
+        "dropped_criteria": len(dropped),
+        "dropped_criteria_detail": dropped[:50],
         "per_split": df["split"].value_counts().sort_index().to_dict(),
         "per_category": df["category"].value_counts().sort_index().to_dict(),
         "per_layout": layouts.sort_index().to_dict(),
-    }
+    }, "prompts", "skipped_rows")
 
 
 def main(argv: list[str] | None = None) -> int:

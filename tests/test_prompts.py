@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from paco import prompts as P
-from paco.io import read_parquet, write_parquet
+from paco.io import ArtifactError, read_parquet, write_parquet
 from paco.prompts import PromptFormatError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,13 +226,6 @@ def test_blank_lines_are_skipped_but_counted(tmp_path):
     assert ei.value.line == 4
 
 
-def test_empty_file_gives_empty_table(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_text("", encoding="utf-8")
-    df, skipped = P.read_t2is_jsonl_with_report(path)
-    assert len(df) == 0 and skipped == [] and list(df.columns) == P.PROMPT_COLUMNS
-
-
 BAD_ROWS = {
     "bad json": ('{"idx": 3, "prompt": ', "invalid JSON"),
     "not an object": ("[1, 2, 3]", "must be a JSON object"),
@@ -347,6 +340,175 @@ def test_other_criteria_dimensions_are_kept(tmp_path):
     crit = {"Identity": {"a": "x"}, "Surroundings": {"b": "y"}}
     df = P.read_t2is_jsonl(write_jsonl(tmp_path / "p.jsonl", [record(criteria=crit)]))
     assert json.loads(df.loc[0, "criteria"]) == crit
+
+
+# --------------------------------------------------------------------------------------------
+# encodings, empty sets, null criteria (real T2IS-Bench rows)
+# --------------------------------------------------------------------------------------------
+
+#: T2IS-Bench case 0557, verbatim from PaCo-RL's PaCo-GRPO/dataset/T2IS/all/test_metadata.jsonl
+#: (commit 08caac6): each criteria dimension carries an ``"image": null`` criterion.
+T2IS_0557 = (
+    '{"idx": "0557", "prompt": "THREE-PANEL Images with a 1x3 grid layout highlighting Amsterda'
+    "m's iconic landmarks with cultural and historical significance.All images use a realistic "
+    'style with vibrant colors, focusing on architectural details and lively surroundings to em'
+    "phasize Amsterdam's charm. Each scene incorporates water elements, reflecting the city\\u20"
+    '19s canal-centric identity. [LEFT]:A historic canal-side building with ornate gabled facad'
+    'es and large windows, mirrored in calm water below. Bicycles lean against the brick walls,'
+    ' and vibrant flower boxes adorn the ledges. Sunlight casts warm tones on the architecture,'
+    ' with a small boat passing by to add movement. [MIDDLE]:A grand museum with a Neo-Gothic d'
+    'esign, featuring intricate stone carvings and a central arched entrance. Visitors stroll a'
+    'cross a spacious square with shallow puddles reflecting the structure. Flags flutter gentl'
+    'y, and the sky transitions from soft blue to golden hues near the horizon. [RIGHT]:A narro'
+    'w, iconic house with a tilted fa\\u00e7ade and steep staircase, flanked by cobblestone stre'
+    'ets. A tranquil canal runs alongside it, dotted with floating petals. Tourists gather near'
+    ' the entrance under soft daylight, while arched bridges frame the background.", "height": '
+    '512, "width": 1536, "layout": "1x3", "theme": "Create a comprehensive guide to Amsterdam\'s'
+    ' top tourist attractions, including 3 high-quality images of iconic landmarks. For each at'
+    'traction, provide a detailed image.", "category": "Instruction Generation", "task_name": "'
+    'Travel Guide", "criteria": {"Style": {"Color Palette Consistency": "All images should feat'
+    'ure a consistent color palette that reflects the typical weather and architectural styles '
+    'of Amsterdam. For example, if one image features a bright, sunny day with vibrant colors i'
+    'n the flower markets, the other images should either reflect similar conditions or appropr'
+    'iately adjust the color palette to match different weather or lighting conditions realisti'
+    'cally.", "image": null, "Lighting and Rendering Harmony": "The lighting conditions should '
+    'be realistic and consistent. If one image depicts a daytime scene with natural lighting, t'
+    'he other images should not abruptly switch to a dramatically different lighting style (e.g'
+    '., a dark, moody evening scene) unless the context explicitly warrants it. The rendering s'
+    'tyle (e.g., photorealistic, painterly) should also be consistent across all images.", "Arc'
+    'hitectural Style Uniformity": "The architectural details and style depicted in each image '
+    "must accurately represent Amsterdam's architectural characteristics. All images should adh"
+    'ere to the correct historical and stylistic elements relevant to the specific landmark."},'
+    ' "Identity": {"Landmark Representation Accuracy": "Each image must accurately depict the k'
+    'ey architectural features and unique visual characteristics of the specific Amsterdam land'
+    'mark it represents (e.g., the Anne Frank House, Rijksmuseum, or canals). These landmarks s'
+    'hould be identifiable and recognizable across all images.", "image": null, "Perspective an'
+    'd Composition Consistency": "The perspective and composition used in each image should be '
+    'consistent to provide a cohesive visual experience. For example, if one image showcases a '
+    'wide-angle view of the canals, other canal-related images should maintain a similar wide-a'
+    'ngle perspective unless a close-up detail is specifically required."}, "Logic": {"Contextu'
+    'al Relevance": "Each image\'s description should directly relate to the visual content of t'
+    'hat image, providing clear and accurate information about the depicted landmark. The descr'
+    'iption should highlight key features or historical facts relevant to the image.", "image":'
+    ' null, "Scene Appropriateness": "Each scene should be realistically plausible and appropri'
+    'ate for the described location. For example, images of the canals should show boats, build'
+    'ings, and appropriate weather conditions typical of Amsterdam\'s canals.", "Description Acc'
+    'uracy": "The descriptions accompanying each image should be factually accurate and devoid '
+    "of misleading or false information regarding the landmark's history, significance, or feat"
+    'ures."}}, "from": "T2IS", "original_idx": "0025_0011", "editing_prompts": ["A realistic, v'
+    'ibrant image of Amsterdam, divided into a 1x3 grid, where each panel highlights a differen'
+    't iconic landmark incorporating water elements and architectural details.", "Replace the h'
+    'istoric canal-side building with a grand Neo-Gothic museum. Change the narrow canal and sm'
+    'all boat for a spacious square with shallow puddles. Swap the bicycles and flower boxes fo'
+    'r visitors strolling and flags fluttering. Alter the warm sunlight on the facades to a sky'
+    ' with a golden-horizon transition.", "Replace the grand museum with a narrow, tilted iconi'
+    'c house. Change the spacious square and puddles for a narrow cobblestone street and a tran'
+    'quil canal. Swap the crowds of visitors and flags for a smaller group of tourists and add '
+    'arched bridges in the background. Introduce floating petals on the water\'s surface."]}'
+)
+
+
+def test_real_row_with_null_criteria_loads_strictly(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(record(idx=1)) + "\n" + T2IS_0557 + "\n", encoding="utf-8")
+    res = P.read_t2is_jsonl_report(path, strict=True)
+    assert res.skipped == [] and res.table["prompt_id"].tolist() == ["t2is-0001", "t2is-0557"]
+    crit = json.loads(res.table.loc[1, "criteria"])
+    raw = json.loads(T2IS_0557)["criteria"]
+    # the reference scorer's rule: keep the criteria with truthy text (`if c_t`)
+    assert crit == {d: {k: v for k, v in items.items() if v} for d, items in raw.items()}
+    assert all("image" not in items for items in crit.values())
+    assert res.dropped_criteria == [
+        {"line": 2, "prompt_id": "t2is-0557", "dimension": d, "criterion": "image"}
+        for d in ("Style", "Identity", "Logic")
+    ]
+    with pytest.warns(UserWarning, match="dropped 3 null or blank criteria"):
+        P.read_t2is_jsonl(path)
+
+
+def test_blank_criteria_are_dropped_but_structural_errors_stay(tmp_path):
+    crit = {"Style": {"a": "", "b": "  ", "c": "text"}, "Logic": {"d": "x"}}
+    res = P.read_t2is_jsonl_report(write_jsonl(tmp_path / "p.jsonl", [record(criteria=crit)]))
+    assert json.loads(res.table.loc[0, "criteria"]) == {"Style": {"c": "text"}, "Logic": {"d": "x"}}
+    assert [d["criterion"] for d in res.dropped_criteria] == ["a", "b"]
+    bad = [
+        ({"Style": {"a": None, "b": None}}, r"criteria\['Style'\] has no criterion with text"),
+        ({"Style": {"a": 3}}, r"criteria\['Style'\]\['a'\] must be a string \(or null\)"),
+        ({"Style": {"a": ["x"]}}, "must be a string"),
+        ({"Style": None}, "must be a non-empty object"),
+    ]
+    for c, match in bad:
+        path = write_jsonl(tmp_path / "p.jsonl", [record(idx=1), record(idx=2, criteria=c)])
+        with pytest.raises(PromptFormatError, match=match) as ei:
+            P.read_t2is_jsonl(path)
+        assert ei.value.line == 2
+
+
+def test_utf8_bom_costs_no_row(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(record(idx=1)).encode() + b"\r\n"
+                     + json.dumps(record(idx=2)).encode() + b"\r\n")
+    df, skipped = P.read_t2is_jsonl_with_report(path, strict=True)
+    assert df["prompt_id"].tolist() == ["t2is-0001", "t2is-0002"] and skipped == []
+
+
+def test_invalid_utf8_is_reported_by_line_and_skippable(tmp_path):
+    path = tmp_path / "p.jsonl"
+    bad = json.dumps(record(idx=2, theme="caf\u00e9")).encode().replace(b"\\u00e9", b"\xe9")  # a latin-1 byte
+    assert b"\xe9" in bad
+    path.write_bytes(json.dumps(record(idx=1)).encode() + b"\n" + bad + b"\n" + json.dumps(record(idx=3)).encode())
+    with pytest.raises(PromptFormatError, match=r"line 2: invalid UTF-8 byte\(s\) b'\\xe9' at byte column \d+") as ei:
+        P.read_t2is_jsonl(path)
+    assert ei.value.line == 2
+    df, skipped = P.read_t2is_jsonl_with_report(path, strict=False)
+    assert df["prompt_id"].tolist() == ["t2is-0001", "t2is-0003"]
+    assert [s["line"] for s in skipped] == [2] and "invalid UTF-8" in skipped[0]["reason"]
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n", b"\xef\xbb\xbf"])
+def test_empty_file_fails_early(tmp_path, content):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    for strict in (True, False):
+        with pytest.raises(P.EmptyPromptSetError, match="no valid prompt row.*empty") as ei:
+            P.read_t2is_jsonl_with_report(path, strict=strict)
+        assert isinstance(ei.value, ArtifactError)
+
+
+def test_all_rows_skipped_fails_early(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", ["{oops", record(height=0)])
+    with pytest.raises(P.EmptyPromptSetError, match=r"2 malformed row\(s\) skipped: line 1: invalid JSON"):
+        P.read_t2is_jsonl_with_report(path, strict=False)
+
+
+def test_missing_file_is_a_named_error(tmp_path):
+    with pytest.raises(PromptFormatError, match="no such prompt file"):
+        P.read_t2is_jsonl(tmp_path / "nope.jsonl")
+
+
+def run_prompts_stage(tmp_path, jsonl, strict=True):
+    import yaml
+
+    from stages import prompts as stage
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["prompts"]["strict"] = strict
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    return stage.main(["--params", str(tmp_path / "params.yaml"), "--jsonl", str(jsonl),
+                       "--out", str(tmp_path / "prompts.parquet"), "--metrics", str(tmp_path / "m.json")])
+
+
+def test_stage_counts_dropped_criteria_and_fails_on_an_empty_set(tmp_path, caplog):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(record(idx=1)) + "\n" + T2IS_0557 + "\n", encoding="utf-8")
+    assert run_prompts_stage(tmp_path, path) == 0
+    metrics = json.loads((tmp_path / "report.json").read_text())  # the details; m.json: the headline
+    assert metrics["prompts"] == 2 and metrics["dropped_criteria"] == 3
+    assert {d["dimension"] for d in metrics["dropped_criteria_detail"]} == {"Style", "Identity", "Logic"}
+    (tmp_path / "prompts.parquet").unlink()
+    write_jsonl(path, ["{oops"])
+    assert run_prompts_stage(tmp_path, path, strict=False) == 2  # clean stage error, exit code 2
+    assert "no valid prompt row" in caplog.text and not (tmp_path / "prompts.parquet").exists()
 
 
 # --------------------------------------------------------------------------------------------
