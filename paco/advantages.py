@@ -21,7 +21,25 @@ Several rewards ``R_k`` (one ``(n,)`` array each, weights ``w_k``) are combined 
   sum is used as the advantage itself, without group normalisation (documented for comparison,
   not a default);
 * ``weighted_advantage_sum`` -- group-normalise each reward first, then weight and sum (the
-  released ``weighted_advantage_sum_aggregate_fn``).
+  released ``weighted_advantage_sum_aggregate_fn``);
+* ``geometric_mean`` -- ``r = exp(sum_k w_k log R_k / sum_k w_k)`` (:func:`weighted_geometric_mean`),
+  then group advantages;
+* ``harmonic_mean`` -- ``r = sum_k w_k / sum_k (w_k / R_k)`` (:func:`weighted_harmonic_mean`), then
+  group advantages;
+* ``geometric_mean_reference`` / ``harmonic_mean_reference`` -- the released
+  ``geometric_mean_aggregate_fn`` / ``harmonic_mean_aggregate_fn`` (``PaCo-GRPO/config/grpo.py``):
+  the mean itself is the advantage, without group normalisation, because the released
+  ``PerPromptStatTracker.compute_advantages`` (``paco_grpo/stat_tracking.py``) uses a custom
+  ``aggregate_fn``'s output as the advantages directly (documented for comparison, not a default).
+
+How the released aggregators are defined (checked against X-GenGroup/PaCo-RL): they call
+``scipy.stats.gmean`` / ``scipy.stats.hmean`` over the reward axis with **no weights** (the
+``reward_fn`` weights are only used when ``aggregate_fn`` is None), **no epsilon** and **no
+clipping**: a reward of exactly 0 makes the mean 0, a negative reward makes it NaN (scipy warns).
+Here the means are weighted by the reward weights (scipy's ``weights=`` semantics, normalised by
+their sum), which is the released behaviour exactly when all weights are equal; a zero weight
+leaves its reward out; a 0 reward gives 0 as in scipy; a negative reward (or weight) is an error
+(:class:`RewardValueError` / ``ValueError``) instead of a NaN advantage.
 """
 
 from __future__ import annotations
@@ -32,7 +50,12 @@ from typing import Any
 import numpy as np
 
 #: Aggregation names accepted by :func:`aggregate`.
-AGGREGATIONS = ("weighted_sum", "log_tame", "log_tame_reference", "weighted_advantage_sum")
+AGGREGATIONS = ("weighted_sum", "log_tame", "log_tame_reference", "weighted_advantage_sum",
+                "geometric_mean", "geometric_mean_reference", "harmonic_mean", "harmonic_mean_reference")
+
+#: Aggregations that take a weighted power mean of the rewards (non-negative rewards only).
+MEAN_AGGREGATIONS = {"geometric_mean": "geometric", "geometric_mean_reference": "geometric",
+                     "harmonic_mean": "harmonic", "harmonic_mean_reference": "harmonic"}
 
 #: Floor of the standard deviation in the advantage denominator (reference value).
 STD_FLOOR = 1e-6
@@ -173,6 +196,67 @@ def weighted_sum(rewards: Mapping[str, np.ndarray], weights: Mapping[str, float]
     return total
 
 
+def _mean_weights(rewards: Mapping[str, np.ndarray], weights: Mapping[str, float], kind: str
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``(stack (K, n), w (K,))`` of the positively weighted rewards, checked for a mean."""
+    bad = {k: w for k, w in weights.items() if not (np.isfinite(float(w)) and float(w) >= 0)}
+    if bad:
+        raise ValueError(f"the {kind} mean needs finite weights >= 0, got {bad}")
+    used = [k for k, w in weights.items() if float(w) > 0]
+    if not used:
+        raise ValueError(f"the {kind} mean needs at least one positive weight, got {dict(weights)}")
+    missing = [k for k in used if k not in rewards]
+    if missing:
+        raise KeyError(f"rewards {missing} have weights but were not computed")
+    stack = np.stack(list(_checked({k: rewards[k] for k in used}).values()))
+    for k, row in zip(used, stack, strict=True):
+        if (row < 0).any():
+            raise RewardValueError(f"reward {k!r}: the {kind} mean needs rewards >= 0, min is {row.min():.4g} "
+                                   "(the released code would produce NaN advantages)")
+    return stack, np.array([float(weights[k]) for k in used])
+
+
+def weighted_geometric_mean(rewards: Mapping[str, Sequence[float] | np.ndarray],
+                            weights: Mapping[str, float]) -> np.ndarray:
+    """Per-sample weighted geometric mean ``exp(sum_k w_k log R_k / sum_k w_k)``.
+
+    Equals ``scipy.stats.gmean(stack, axis=0, weights=w)``; with equal weights it is the released
+    ``geometric_mean_aggregate_fn`` (``PaCo-GRPO/config/grpo.py``, ``gmean(reward_stack, axis=0)``).
+
+    Args:
+        rewards: name -> ``(n,)`` finite values ``>= 0``.
+        weights: name -> weight ``>= 0``; rewards with weight 0 are left out.
+
+    Returns:
+        ``(n,)`` float64 in ``[min_k R_k, max_k R_k]``; 0 where a weighted reward is 0.
+
+    Raises:
+        ValueError: a negative or non-finite weight, no positive weight, unequal lengths.
+        KeyError: a weighted reward is missing. RewardValueError: a non-finite or negative reward.
+    """
+    stack, w = _mean_weights(rewards, weights, "geometric")
+    with np.errstate(divide="ignore"):  # log(0) = -inf -> exp(-inf) = 0, as scipy's gmean
+        return np.exp((w[:, None] * np.log(stack)).sum(axis=0) / w.sum())
+
+
+def weighted_harmonic_mean(rewards: Mapping[str, Sequence[float] | np.ndarray],
+                           weights: Mapping[str, float]) -> np.ndarray:
+    """Per-sample weighted harmonic mean ``sum_k w_k / sum_k (w_k / R_k)``.
+
+    Equals ``scipy.stats.hmean(stack, axis=0, weights=w)``; with equal weights it is the released
+    ``harmonic_mean_aggregate_fn`` (``PaCo-GRPO/config/grpo.py``, ``hmean(reward_stack, axis=0)``).
+
+    Args, Raises: as :func:`weighted_geometric_mean`.
+
+    Returns:
+        ``(n,)`` float64; 0 where a weighted reward is 0 (as scipy's ``hmean``).
+    """
+    stack, w = _mean_weights(rewards, weights, "harmonic")
+    zero = (stack == 0).any(axis=0)
+    safe = np.where(stack == 0, 1.0, stack)
+    return np.where(zero, 0.0, w.sum() / (w[:, None] / safe).sum(axis=0))
+
+
 def aggregate(
     rewards: Mapping[str, Sequence[float] | np.ndarray],
     weights: Mapping[str, float],
@@ -194,13 +278,15 @@ def aggregate(
 
     Returns:
         ``(aggregated, advantages, info)``: the aggregated reward ``(n,)`` (for
-        ``weighted_advantage_sum``, the weighted sum of raw rewards, for logging), the advantages
-        ``(n,)`` (not clipped), and ``info`` with ``h`` (per-reward coefficient of variation),
-        ``threshold`` and ``tamed`` (names) for the log-tame methods.
+        ``weighted_advantage_sum``, the weighted sum of raw rewards, for logging; for the mean
+        methods, the mean), the advantages ``(n,)`` (not clipped), and ``info`` with ``h``
+        (per-reward coefficient of variation), ``threshold`` and ``tamed`` (names) for the
+        log-tame methods.
 
     Raises:
         ValueError: unknown method. RewardValueError / KeyError: see :func:`log_tame`,
-            :func:`weighted_sum`.
+            :func:`weighted_sum`, :func:`weighted_geometric_mean` (the mean methods need rewards
+            and weights ``>= 0``).
     """
     if method not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {method!r}; expected one of {AGGREGATIONS}")
@@ -208,6 +294,9 @@ def aggregate(
     if missing:
         raise KeyError(f"rewards {missing} have weights but were not computed")
     checked = _checked({k: rewards[k] for k in weights})
+    n = next(iter(checked.values())).shape[0]
+    if len(prompt_ids) != n:
+        raise ValueError(f"{n} rewards per name but {len(prompt_ids)} prompt ids")
     info: dict[str, Any] = {}
     if method in ("log_tame", "log_tame_reference"):
         h = coefficients(checked)
@@ -216,6 +305,11 @@ def aggregate(
         info = {"h": h, "threshold": threshold, "tamed": sorted(k for k in h if h[k] > threshold)}
         total = weighted_sum(tamed, weights)
         adv = total.copy() if method == "log_tame_reference" else group_advantages(total, prompt_ids, global_std)
+        return total, adv, info
+    if method in MEAN_AGGREGATIONS:
+        mean = weighted_geometric_mean if MEAN_AGGREGATIONS[method] == "geometric" else weighted_harmonic_mean
+        total = mean(checked, weights)
+        adv = total.copy() if method.endswith("_reference") else group_advantages(total, prompt_ids, global_std)
         return total, adv, info
     total = weighted_sum(checked, weights)
     if method == "weighted_sum":

@@ -7,18 +7,34 @@ fails before any work is done, with a message naming the dotted key, e.g.::
     params.yaml: invalid parameters
       composites.photos.gutter_px: Extra inputs are not permitted
 
+Types are strict (pydantic ``strict=True``): no ``true`` for a number, no ``"0.1"`` (a string)
+for a number, no ``2.5`` for an integer; an integer is accepted for a float. Non-finite floats
+(``.inf``, ``.nan``) are rejected everywhere (``allow_inf_nan=False``) unless a field says
+``Field(allow_inf_nan=True)``. Tuple fields are written :data:`IntPair` / :data:`FloatPair`
+(YAML gives lists; their elements stay strict). Numbers in exponent form without a dot (``3e-4``)
+are floats, as in YAML 1.2 (what DVC reads), not strings as in PyYAML's YAML 1.1.
+
+Check a file without running a stage (``dvc repro`` runs no stage when only a section that no
+stage declares changed, e.g. a misspelled ``reward_trian:``)::
+
+    python -m paco.params [params.yaml]     # exit 0 and one OK line, or exit 2 and the errors
+
 Nothing here derives values at import time; derived quantities are computed by the stages and
 written to their metrics.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+import re
+import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 
 class ParamsError(ValueError):
@@ -26,7 +42,13 @@ class ParamsError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+#: A pair of ints / floats: YAML gives a list, which a strict tuple would refuse; the elements
+#: stay strict (no bools, no strings).
+IntPair = Annotated[tuple[int, int], Strict(False)]
+FloatPair = Annotated[tuple[float, float], Strict(False)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,10 +120,10 @@ class PhotosParams(_Section):
     size: int = Field(256, ge=32, description="composite height and width (px)")
     levels: list[int] = Field(default_factory=lambda: [0, 1, 3, 7])
     max_level: int = Field(7, ge=1, description="level of full drift (other subject, full style)")
-    gutter_px: tuple[int, int] = (0, 6)
-    border_px: tuple[int, int] = (0, 8)
+    gutter_px: IntPair = (0, 6)
+    border_px: IntPair = (0, 8)
     cell_jitter: float = Field(0.06, ge=0.0, lt=0.25, description="max relative cell size change")
-    crop_scale: tuple[float, float] = (0.6, 0.9)
+    crop_scale: FloatPair = (0.6, 0.9)
     color_jitter: float = Field(0.08, ge=0.0, le=0.5)
 
     @field_validator("levels")
@@ -129,6 +151,12 @@ class ImportParams(_Section):
 
     dir: str = "data/raw/composites"
     manifest: str = "manifest.jsonl"
+    max_pixels: int = Field(
+        8192 * 8192, ge=1,
+        description="refuse images with more pixels (w x h) than this: a decompression-bomb guard "
+        "(ImageTooLargeError, skipped with strict: false); Pillow's own hard limit, about 179 Mpx, "
+        "still applies above it",
+    )
 
 
 class CompositesParams(_Section):
@@ -263,7 +291,7 @@ class PairAugmentParams(_Section):
     enabled: bool = False
     swap: float = Field(0.5, ge=0.0, le=1.0)
     hflip: float = Field(0.5, ge=0.0, le=1.0)
-    crop_scale: tuple[float, float] = (1.0, 1.0)
+    crop_scale: FloatPair = (1.0, 1.0)
 
     @model_validator(mode="after")
     def _check_crop(self) -> "PairAugmentParams":
@@ -302,7 +330,8 @@ class RewardMergeParams(_Section):
 class RewardEvalParams(_Section):
     split: str = "test"
     batch_size: int = Field(16, ge=1)
-    answer_variants: bool = Field(False, description="sum case/space variants of Yes and No")
+    answer_variants: bool = Field(False, description="reference canonicalize=True: sum every token whose "
+                                  "strip().lower() text is yes / no (paco.judge.canonical_answer)")
     instruction: Literal["theme", "rank"] = Field(
         "theme", description="T2IS theme template (training layout) or the theme-free rank template"
     )
@@ -343,7 +372,8 @@ class JudgeParams(_Section):
     instruction: Literal["theme", "rank"] = Field(
         "theme", description="T2IS theme template (paper) or the theme-free template (as the judge was trained)"
     )
-    answer_variants: bool = False
+    answer_variants: bool = Field(False, description="reference canonicalize=True: sum every top token whose "
+                                  "strip().lower() text is yes / no (paco.judge_client.yes_probability)")
     concurrency: int = Field(16, ge=1, description="requests in flight")
     timeout_s: float = Field(60.0, gt=0)
     retries: int = Field(3, ge=0)
@@ -395,7 +425,10 @@ class GrpoSampleParams(_Section):
     guidance_scale: float = Field(3.5, ge=0.0)
     noise_level: float = Field(0.7, ge=0.0, description="a of the SDE steps (paper 0.7)")
     sde_indices: list[int] = Field(default_factory=lambda: [1], description="steps taking the SDE step (paper [1])")
-    sigma_max: float = Field(0.98, gt=0.0, lt=1.0)
+    sigma_max: Annotated[float, Field(gt=0.0, lt=1.0)] | Literal["schedule"] = Field(
+        "schedule", description="stands in for sigma in 1 - sigma at sigma = 1 (an SDE step at index 0 only): "
+        "'schedule' = the schedule's second sigma (released code, timesteps[1] / 1000), or a fixed number in "
+        "(0, 1) (Flow-GRPO's 0.98); see paco.sde.sde_step")
     same_initial_noise: bool = Field(False, description="a prompt's G trajectories share their initial noise "
                                      "(the reference's same_latent; default off as in the paper)")
     batch_size: int = Field(8, ge=1, description="trajectories per forward pass")
@@ -410,9 +443,16 @@ class GrpoSampleParams(_Section):
 
 
 class EmaParams(_Section):
+    """EMA of the trained LoRA (the evaluated and saved weights). After optimizer step ``t``
+    (1-based), if ``(t + 1) % update_every == 0``: ``ema = d * ema + (1 - d) * lora`` with
+    ``d = decay``, or with ``warmup`` ``d = min((1 + t) / (10 + t), decay)`` (the released code's
+    ``EMAModuleWrapper``: warm-up on, ``update_every`` 8, decay 0.9)."""
+
     enabled: bool = True
     decay: float = Field(0.9, ge=0.0, lt=1.0, description="ema = decay * ema + (1 - decay) * lora")
-    update_every: int = Field(1, ge=1, description="optimizer steps between EMA updates")
+    warmup: bool = Field(True, description="decay min((1 + t) / (10 + t), decay) at step t (the reference's)")
+    update_every: int = Field(8, ge=1, description="update after step t when (t + 1) % update_every == 0 "
+                              "(reference 8)")
 
 
 class GrpoTrainParams(_Section):
@@ -420,7 +460,7 @@ class GrpoTrainParams(_Section):
 
     resolution: int = Field(512, ge=16, description="sampling and training resolution (px, square-equivalent)")
     learning_rate: float = Field(3e-4, gt=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_betas: FloatPair = (0.9, 0.999)
     adam_eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-4, ge=0)
     gradient_steps_per_epoch: int = Field(2, ge=1, description="optimizer steps per epoch (paper 2)")
@@ -434,7 +474,9 @@ class GrpoTrainParams(_Section):
 
 
 class AggregationParams(_Section):
-    method: Literal["weighted_sum", "log_tame", "log_tame_reference", "weighted_advantage_sum"] = "log_tame"
+    method: Literal["weighted_sum", "log_tame", "log_tame_reference", "weighted_advantage_sum", "geometric_mean",
+                    "geometric_mean_reference", "harmonic_mean", "harmonic_mean_reference"] = Field(
+        "log_tame", description="paco.advantages.AGGREGATIONS (the *_mean methods need rewards >= 0)")
     delta: float | Literal["mean", "median"] = Field(0.2, description="log-tame threshold on h = std/mean")
 
 
@@ -579,39 +621,137 @@ class Params(_Section):
         return self
 
 
-def _format_errors(exc: ValidationError) -> str:
-    lines = []
+_ABSENT = object()
+
+
+def _dotted_key(loc: tuple[Any, ...], raw: Any) -> str:
+    """The dotted key of an error location, following ``raw``: a location part that names no key
+    or index of the value reached so far (pydantic's union-member tags such as ``float`` or
+    ``literal['mean','median']`` below a scalar) is dropped."""
+    parts: list[str] = []
+    node = raw
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(node, (dict, list)) or node is _ABSENT:
+            node = _ABSENT  # not in the file (a default): keep the schema's name
+        else:
+            continue  # a union-member tag under a scalar
+        parts.append(str(part))
+    return ".".join(parts) or "<root>"
+
+
+def _got(value: Any) -> str:
+    """`` (got ...)`` for a scalar input, with a hint for a number written as a string."""
+    if isinstance(value, (dict, list)):
+        return ""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return f" (got {text})"
+        return f" (got {text}, a string: write the number without quotes)"
+    return f" (got {text})"
+
+
+def _format_errors(exc: ValidationError, raw: Any = None) -> str:
+    """One line per offending dotted key: ``  key: reason[, or reason] (got value)``."""
+    by_key: dict[str, list[str]] = {}
+    inputs: dict[str, Any] = {}
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"  {key}: {err['msg']}")
-    return "\n".join(lines)
+        key = _dotted_key(tuple(err["loc"]), raw)
+        msgs = by_key.setdefault(key, [])
+        if err["msg"] not in msgs:
+            msgs.append(err["msg"])
+        inputs.setdefault(key, err.get("input"))
+    return "\n".join(f"  {key}: {', or '.join(msgs)}{_got(inputs[key])}" for key, msgs in by_key.items())
 
 
 def validate_params(raw: dict[str, Any], *, source: str = "params") -> Params:
-    """Validate a parsed params mapping.
+    """Validate a parsed params mapping (strictly typed, see the module docstring).
 
     Raises:
-        ParamsError: naming every offending dotted key and the reason.
+        ParamsError: naming every offending dotted key, the reason and the offending value.
     """
     try:
         return Params.model_validate(raw or {})
     except ValidationError as exc:
-        raise ParamsError(f"{source}: invalid parameters\n{_format_errors(exc)}") from None
+        raise ParamsError(f"{source}: invalid parameters\n{_format_errors(exc, raw)}") from None
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate ``params.yaml``.
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, plus YAML 1.2's floats in exponent form without a dot (``3e-4``,
+    ``1E+5``), which YAML 1.1 reads as strings but DVC (ruamel.yaml, YAML 1.2) as floats."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def read_params_yaml(path: str | Path) -> dict[str, Any] | None:
+    """Parse a params file as :func:`load_params` does (``None`` for an empty file).
 
     Raises:
-        ParamsError: the file is missing, not valid YAML, or fails validation.
+        ParamsError: missing or unreadable file, invalid YAML, or a top level that is not a mapping.
     """
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
         raise ParamsError(f"{path}: no such params file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ParamsError(f"{path}: cannot read ({exc})") from None
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML ({exc})") from None
     if raw is not None and not isinstance(raw, dict):
         raise ParamsError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
-    return validate_params(raw, source=str(path))
+    return raw
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate ``params.yaml`` (the whole file: an unknown section is an error).
+
+    Raises:
+        ParamsError: the file is missing, unreadable, not valid YAML, or fails validation.
+    """
+    return validate_params(read_params_yaml(path), source=str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m paco.params [params.yaml] [--out FILE]``: validate the whole file.
+
+    Prints one ``<path>: OK ...`` line and returns 0, or prints the :class:`ParamsError` (every
+    offending dotted key) to stderr and returns 2 (removing ``--out``), without a traceback.
+    ``--out`` also writes ``{"params": <path>, "valid": true}`` (the same bytes whatever the valid
+    values, so a pipeline stage can depend on it without rerunning when the params change).
+    """
+    parser = argparse.ArgumentParser(prog="python -m paco.params",
+                                     description="Validate a params file against paco.params.Params.")
+    parser.add_argument("params", nargs="?", default="params.yaml", help="params file (default params.yaml)")
+    parser.add_argument("--out", default=None, help="on success, also write a small JSON marker here")
+    args = parser.parse_args(argv)
+    try:
+        params = load_params(args.params)
+    except ParamsError as exc:
+        if args.out:
+            Path(args.out).unlink(missing_ok=True)  # no stale marker of an earlier valid file
+        print(exc, file=sys.stderr)
+        return 2
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"params": str(args.params), "valid": True}) + "\n")
+    print(f"{args.params}: OK ({len(type(params).model_fields)} sections; grpo subtasks "
+          f"{sorted(params.grpo)}, sample subtasks {sorted(params.sample)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

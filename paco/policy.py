@@ -240,7 +240,8 @@ class FluxPolicy:
     @torch.no_grad()
     def sample(self, embeds: PromptEmbeds, *, height: int, width: int, num_steps: int, noise_level: float,
                sde_indices: Sequence[int], noise_generators: Sequence[torch.Generator],
-               sde_generators: Sequence[torch.Generator] | None = None, sigma_max: float = 0.98) -> Rollout:
+               sde_generators: Sequence[torch.Generator] | None = None,
+               sigma_max: float | str = "schedule") -> Rollout:
         """Sample one trajectory per row of ``embeds`` with the active adapter.
 
         Args:
@@ -253,7 +254,9 @@ class FluxPolicy:
                 sample does not depend on its batch).
             sde_generators: ``B`` generators for the SDE noise (default: ``noise_generators``,
                 continuing their streams).
-            sigma_max: see :func:`paco.sde.sde_step`.
+            sigma_max: ``"schedule"`` (the released code: the schedule's second sigma) or a
+                number in ``(0, 1)``; used only by an SDE step at index 0 (see
+                :func:`paco.sde.sde_step`).
 
         Returns:
             A :class:`Rollout`.
@@ -298,10 +301,12 @@ class FluxPolicy:
 
     def transition_log_prob(self, x: torch.Tensor, x_next: torch.Tensor, sigma: torch.Tensor,
                             sigma_next: torch.Tensor, timestep: torch.Tensor, embeds: PromptEmbeds,
-                            height: int, width: int, noise_level: float, sigma_max: float = 0.98
+                            height: int, width: int, noise_level: float, sigma_max: float | str = "schedule"
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-prob of the transitions ``x -> x_next`` under the active adapter (with grad if
-        enabled): ``(log_prob (B,), mean (B, seq, C), std (B, 1, 1))``, all float32."""
+        enabled): ``(log_prob (B,), mean (B, seq, C), std (B, 1, 1))``, all float32.
+        ``sigma_max`` must be the value the transition was sampled with (``"schedule"`` needs no
+        schedule here: a step from ``sigma = 1`` uses its ``sigma_next``, :func:`paco.sde.sde_step`)."""
         B = x.shape[0]
         img_ids = self.latent_ids(B, height, width)
         v = self.velocity(x, timestep.expand(B).to(self.device), embeds, img_ids)

@@ -6,13 +6,25 @@ at noise level ``sigma`` (``sigma = 1`` is pure noise, ``0`` the clean image), `
 predicted velocity, ``sigma'`` the next (lower) noise level, ``dt = sigma' - sigma < 0`` and
 ``a`` the noise level parameter. The reverse-time SDE discretised with Euler-Maruyama gives::
 
-    std_t = a * sqrt(sigma / (1 - sigma))            (sigma = 1 -> sigma_max in the denominator)
+    std_t = a * sqrt(sigma / (1 - sigma))            (sigma = 1 -> sigma_max in the denominator, below)
     mean  = x * (1 + std_t**2 / (2 sigma) * dt) + v * (1 + std_t**2 (1 - sigma) / (2 sigma)) * dt
     x'    = mean + std_t * sqrt(-dt) * eps,  eps ~ N(0, I)
 
 so ``x'`` is Gaussian with mean ``mean`` and standard deviation ``std = std_t * sqrt(-dt)``.
 With ``a = 0`` this is exactly the deterministic Euler (ODE) step ``x' = x + v * dt`` that
 diffusers' ``FlowMatchEulerDiscreteScheduler.step`` takes.
+
+At ``sigma = 1`` (the first step of FLUX's schedule, which starts at exactly 1) ``1 - sigma`` is
+0, so ``sigma_max`` stands in for ``sigma`` there. The released code passes the schedule's second
+sigma: ``sigma_max=timesteps[1].item() / 1000`` when sampling (``flux_pipeline`` in
+``PaCo-GRPO/paco_grpo/diffusers_patch/flux_pipeline.py``) and ``timestep_max = timesteps[:, 1]``
+(divided by 1000) when re-scoring (``compute_log_prob``, same file), into
+``denoising_sde_step_with_logprob`` (``sde_denoising_step.py``), whose own default is 0.98
+(Flow-GRPO's). ``sigma_max="schedule"`` reproduces that: a step from ``sigma = 1`` is the
+schedule's first, so its ``sigma_next`` *is* the second sigma and is used (and 0.98 is never
+involved); a number keeps a fixed ``sigma_max``. Only steps from ``sigma = 1`` are affected (with
+the paper's ``sde_indices = [1]`` the value is never used). In a one-step schedule (where the
+released code fails on ``timesteps[1]``) the second sigma is the final 0, so ``std_t = a``.
 
 The log-prob is the Gaussian log-density of ``x'`` averaged (not summed) over all non-batch
 elements, as in the reference implementation (``sde_denoising_step.py`` of X-GenGroup/PaCo-RL,
@@ -22,7 +34,7 @@ itself from Flow-GRPO), in float32 whatever the input dtype (bf16 overflows in t
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,7 +60,7 @@ def sde_step(
     noise_level: float | torch.Tensor,
     next_latents: torch.Tensor | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
-    sigma_max: float = 0.98,
+    sigma_max: float | Literal["schedule"] = 0.98,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Flow-GRPO SDE step (eq. 9) from ``sigma`` to ``sigma_next``, sampled or scored.
 
@@ -62,8 +74,10 @@ def sde_step(
             ``next_latents``); ``None`` samples ``x'``.
         generator: torch generator(s) for ``eps`` when sampling (a list gives one per row,
             drawn as ``diffusers.utils.torch_utils.randn_tensor`` does).
-        sigma_max: replaces ``sigma`` in ``1 - sigma`` where ``sigma == 1`` (the reference passes
-            the second sigma of the schedule; Flow-GRPO's default is 0.98).
+        sigma_max: replaces ``sigma`` in ``1 - sigma`` where ``sigma == 1``: a number in
+            ``(0, 1)`` (Flow-GRPO's default 0.98), or ``"schedule"``: the schedule's second sigma,
+            which for a step from ``sigma = 1`` is that row's ``sigma_next`` (the released code's
+            ``timesteps[1] / 1000``, see the module docstring).
 
     Returns:
         ``(next_latents, log_prob, mean, std)``: ``next_latents`` float32 ``(batch, ...)`` (the
@@ -76,15 +90,19 @@ def sde_step(
 
     Raises:
         ValueError: shape mismatch, ``sigma`` outside ``(0, 1]``, ``sigma_next`` not in
-            ``[0, sigma)``, a negative noise level, ``sigma_max`` outside ``(0, 1)``, or scoring
+            ``[0, sigma)``, a negative noise level, ``sigma_max`` neither ``"schedule"`` nor a
+            number in ``(0, 1)``, or scoring
             (``next_latents`` given) a row whose ``std`` is 0.
     """
     if velocity.shape != latents.shape:
         raise ValueError(f"velocity {tuple(velocity.shape)} and latents {tuple(latents.shape)} differ")
     if next_latents is not None and next_latents.shape != latents.shape:
         raise ValueError(f"next_latents {tuple(next_latents.shape)} and latents {tuple(latents.shape)} differ")
-    if not 0.0 < float(sigma_max) < 1.0:
-        raise ValueError(f"sigma_max must be in (0, 1), got {sigma_max}")
+    from_schedule = isinstance(sigma_max, str)
+    if from_schedule and sigma_max != "schedule":
+        raise ValueError(f"sigma_max must be 'schedule' or a number in (0, 1), got {sigma_max!r}")
+    if not from_schedule and (isinstance(sigma_max, bool) or not 0.0 < float(sigma_max) < 1.0):
+        raise ValueError(f"sigma_max must be 'schedule' or a number in (0, 1), got {sigma_max!r}")
     v = velocity.float()
     x = latents.float()
     s = _per_row(sigma, x, "sigma")
@@ -98,7 +116,8 @@ def sde_step(
         raise ValueError("noise_level must be >= 0")
 
     dt = s_next - s  # negative
-    denom = 1 - torch.where(s == 1, torch.full_like(s, float(sigma_max)), s)
+    at_one = s_next if from_schedule else torch.full_like(s, float(sigma_max))
+    denom = 1 - torch.where(s == 1, at_one, s)
     std_t = torch.sqrt(s / denom) * a
     mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
     std = std_t * torch.sqrt(-dt)

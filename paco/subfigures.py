@@ -3,8 +3,12 @@
 Two methods, chosen by ``subfigures.method``:
 
 ``equal``
-    The reference implementation's behaviour: the whole image is divided into ``rows x cols``
-    equal cells with integer boundaries ``round(i * W / cols)`` and ``round(j * H / rows)``.
+    Exactly the reference implementation's ``divide_image`` (X-GenGroup/PaCo-RL,
+    ``PaCo-GRPO/paco_grpo/utils.py``, used by its consistency, CLIP-T, CLIP-I and DreamSim
+    rewards): every cell is ``W // cols`` wide and ``H // rows`` high, cell ``(r, c)`` is
+    ``(c * (W // cols), r * (H // rows), (c + 1) * (W // cols), (r + 1) * (H // rows))``, and the
+    remainder (``W % cols`` columns on the right, ``H % rows`` rows at the bottom) belongs to no
+    panel. At T2IS's native sizes (multiples of the layout) the cells tile the whole image.
 
 ``refine`` (default)
     Equal cells are only the starting guess. Real composites have outer borders, gutters or
@@ -322,8 +326,8 @@ def split_grid(image: Image.Image, rows: int, cols: int, *, method: str = "refin
         image: the composite (any PIL mode; analysed as RGB, or as-is when greyscale ``L``).
         rows, cols: the grid layout (>= 1 each).
         method: ``"refine"`` (trim borders, snap cuts to separator bands or abutting edges, see
-            the module docstring) or ``"equal"`` (equal cells over the whole image, boundaries
-            ``round(i * W / cols)``, the reference implementation).
+            the module docstring) or ``"equal"`` (the reference's ``divide_image``: cells of
+            ``W // cols`` x ``H // rows`` px from the top-left corner, the remainder dropped).
         tolerance: ``refine`` only: half-width of the search window around each equal-split
             line, as a fraction of the trimmed width (column cuts) or height (row cuts), in
             ``(0, 0.5)``. Cuts further than that from the equal line are not found.
@@ -343,9 +347,9 @@ def split_grid(image: Image.Image, rows: int, cols: int, *, method: str = "refin
     if w < cols or h < rows:
         raise ValueError(f"a {w}x{h} image cannot hold a {rows}x{cols} grid of non-empty panels")
     if method == "equal":
-        xs = [int(round(i * w / cols)) for i in range(cols + 1)]
-        ys = [int(round(j * h / rows)) for j in range(rows + 1)]
-        return [(xs[c], ys[r], xs[c + 1], ys[r + 1]) for r in range(rows) for c in range(cols)]
+        # X-GenGroup/PaCo-RL PaCo-GRPO/paco_grpo/utils.py divide_image: floor-sized cells
+        cw, ch = w // cols, h // rows
+        return [(c * cw, r * ch, (c + 1) * cw, (r + 1) * ch) for r in range(rows) for c in range(cols)]
     if method != "refine":
         raise ValueError(f"unknown split method {method!r}; expected 'refine' or 'equal'")
     if not 0.0 < tolerance < 0.5:

@@ -84,6 +84,43 @@ def test_per_row_noise_levels_and_deterministic_rows_cannot_be_scored():
         sde_step(v, x, 0.5, 0.3, torch.tensor([0.0, 0.7]), next_latents=nxt)
 
 
+def test_sigma_max_schedule_is_the_schedules_second_sigma():
+    """The released flux_pipeline / compute_log_prob pass sigma_max = timesteps[1] / 1000: at the
+    first step (sigma = 1) std_t = a * sqrt(1 / (1 - sigma_1))."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    g = torch.Generator().manual_seed(5)
+    v, x, x_next = (torch.randn(2, 6, 4, generator=g) for _ in range(3))
+    sigmas, timesteps = flux_sigmas(FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), 10, 1024)
+    assert float(sigmas[0]) == 1.0
+    s1 = float(sigmas[1])
+    assert float(torch.tensor(float(timesteps[1]) / 1000, dtype=torch.float32)) == pytest.approx(s1, rel=1e-7)
+    _, logp, mean, std = sde_step(v, x, sigmas[0], sigmas[1], 0.7, next_latents=x_next, sigma_max="schedule")
+    ref_mean, ref_std, ref_logp = _reference(v.numpy(), x.numpy(), 1.0, s1, 0.7, x_next.numpy(), sigma_max=s1)
+    np.testing.assert_allclose(std.flatten().numpy(), ref_std, rtol=1e-6)
+    assert float(std[0]) == pytest.approx(0.7 * math.sqrt(1 / (1 - s1)) * math.sqrt(1 - s1), rel=1e-6)
+    np.testing.assert_allclose(mean.numpy(), ref_mean, rtol=1e-5, atol=5e-6)
+    np.testing.assert_allclose(logp.numpy(), ref_logp, rtol=1e-5, atol=1e-5)
+    # identical to passing the second sigma as a fixed number, and different from 0.98
+    fixed = sde_step(v, x, sigmas[0], sigmas[1], 0.7, next_latents=x_next, sigma_max=s1)
+    assert torch.equal(fixed[1], logp) and torch.equal(fixed[3], std)
+    assert not torch.equal(sde_step(v, x, sigmas[0], sigmas[1], 0.7, next_latents=x_next)[3], std)
+    # below sigma = 1 sigma_max is not used at all
+    later = [sde_step(v, x, sigmas[2], sigmas[3], 0.7, next_latents=x_next, sigma_max=m)[1] for m in ("schedule", 0.5)]
+    assert torch.equal(*later)
+    # per-row sigmas: only the row at sigma = 1 uses its own sigma_next
+    _, _, _, rows = sde_step(v, x, torch.tensor([1.0, 0.8]), torch.tensor([0.9, 0.6]), 0.7, next_latents=x_next,
+                             sigma_max="schedule")
+    assert float(rows[0]) == pytest.approx(0.7 * math.sqrt(1 / 0.1) * math.sqrt(0.1), rel=1e-6)
+    assert float(rows[1]) == pytest.approx(0.7 * math.sqrt(0.8 / 0.2) * math.sqrt(0.2), rel=1e-6)
+
+
+@pytest.mark.parametrize("sigma_max", ["sched", 1.0, 0.0, True, -0.5])
+def test_bad_sigma_max_raises(sigma_max):
+    with pytest.raises(ValueError, match="sigma_max must be 'schedule' or a number"):
+        sde_step(torch.zeros(1, 2), torch.zeros(1, 2), 1.0, 0.9, 0.7, sigma_max=sigma_max)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(sigma=0.5, sigma_next=0.6), "sigma_next"),
     (dict(sigma=1.2, sigma_next=0.6), "sigma must"),

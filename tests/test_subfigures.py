@@ -164,14 +164,45 @@ def test_refine_on_photo_composites() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _divide_image(image: Image.Image, grid_info: tuple[int, int]) -> list[Image.Image]:
+    """X-GenGroup/PaCo-RL ``PaCo-GRPO/paco_grpo/utils.py`` ``divide_image``, verbatim in
+    substance: ``a`` rows, ``b`` columns, floor-sized cells from the top-left corner."""
+    a, b = grid_info
+    width, height = image.size
+    cell_height, cell_width = height // a, width // b
+    cells = []
+    for i in range(a):
+        for j in range(b):
+            upper, left = i * cell_height, j * cell_width
+            cells.append(image.crop((left, upper, left + cell_width, upper + cell_height)))
+    return cells
+
+
 def test_equal_exact_boxes() -> None:
     image = Image.new("RGB", (100, 100))
     assert split_grid(image, 2, 2, method="equal") == [
         (0, 0, 50, 50), (50, 0, 100, 50), (0, 50, 50, 100), (50, 50, 100, 100)
     ]
-    # boundaries round(i * W / cols): 101 / 3 -> 0, 34, 67, 101
-    xs = [b[0] for b in split_grid(Image.new("RGB", (101, 10)), 1, 3, method="equal")]
-    assert xs == [0, 34, 67]
+    # cells of W // cols: 101 // 3 = 33, the last column (x = 99, 100) belongs to no panel
+    assert split_grid(Image.new("RGB", (101, 10)), 1, 3, method="equal") == [
+        (0, 0, 33, 10), (33, 0, 66, 10), (66, 0, 99, 10)
+    ]
+    # 2 x 3 at 203 x 101: cells 67 x 50, remainder 2 columns and 1 row
+    assert split_grid(Image.new("RGB", (203, 101)), 2, 3, method="equal")[-1] == (134, 50, 201, 100)
+
+
+@pytest.mark.parametrize("size, rows, cols", [
+    ((1024, 1024), 2, 2), ((1023, 1025), 2, 2), ((101, 77), 3, 3), ((512, 1537), 3, 1), ((250, 97), 2, 4),
+    ((7, 5), 5, 7),
+])
+def test_equal_is_the_reference_divide_image(size, rows, cols) -> None:
+    rng = np.random.default_rng(sum(size) + rows * cols)
+    image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    ours = crop_panels(image, split_grid(image, rows, cols, method="equal"))
+    ref = _divide_image(image, (rows, cols))
+    assert [c.size for c in ours] == [c.size for c in ref]
+    for a, b in zip(ours, ref, strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("rows, cols", [(0, 2), (2, 0), (-1, 1), (1.5, 2)])
