@@ -1,6 +1,7 @@
-"""Checkpoint-directory plumbing shared by the resumable training stages (``reward_train``,
-``grpo@<subtask>``): numbered checkpoint directories, atomic directory replacement, fingerprint
-matching, and the per-stage ``plots/*.csv`` files.
+"""Checkpoint plumbing shared by the resumable training stages (``reward_train``,
+``grpo@<subtask>``): numbered checkpoint directories, resuming only under the same run identity
+(:func:`find_resumable`, skipping unreadable checkpoints), atomic directory replacement,
+deterministic safetensors and adapter bytes, and the per-stage ``plots/*.csv`` files.
 
 A checkpoint is ``<dir>/<prefix><N>/`` holding a JSON state file; it is written to a hidden
 ``.tmp-<prefix><N>`` sibling and renamed into place, so a crash leaves either the previous
@@ -9,20 +10,21 @@ checkpoints or a stray temp directory (removed on the next start), never a half 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from paco.run_identity import RunIdentity
+
 STATE_FILE = "trainer_state.json"
-_FULL_HASH_LIMIT = 1 << 30  # model weight files up to 1 GiB in total are hashed in full
 
 
 def list_checkpoints(checkpoints_dir: str | os.PathLike[str], prefix: str) -> list[Path]:
@@ -40,7 +42,11 @@ def list_checkpoints(checkpoints_dir: str | os.PathLike[str], prefix: str) -> li
 
 
 def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint's ``trainer_state.json``."""
+    """The checkpoint's ``trainer_state.json``.
+
+    Raises:
+        OSError: unreadable. ValueError (``json.JSONDecodeError``): not JSON.
+    """
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
@@ -55,33 +61,148 @@ def replace_dir(tmp: Path, target: Path) -> None:
         os.replace(tmp, target)
 
 
-def resumable(checkpoints_dir: str | os.PathLike[str], prefix: str, fingerprint: str,
-              parts: Mapping[str, str], *, main: bool, log: logging.Logger) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint and its state if its fingerprint matches, else ``None``.
+@dataclass(frozen=True)
+class Resume:
+    """What :func:`find_resumable` found: the checkpoint to resume (``path``, ``state``; both
+    ``None`` for a fresh start) and why, for the log and the stage report (``reason``), plus
+    whether the evaluation params changed since the checkpoint (``evaluation_changed``: the
+    evaluation is recomputed on the kept weights)."""
 
-    A mismatching newest checkpoint means the run changed: the main process logs which
-    fingerprint parts differ and removes every checkpoint (a fresh start, never a wrong resume).
-    Leftover ``.tmp-<prefix>*`` directories of an interrupted write are removed too.
+    path: Path | None
+    state: dict[str, Any] | None
+    reason: str
+    evaluation_changed: tuple[str, ...] = ()
+    skipped_corrupt: tuple[str, ...] = ()
+
+    def to_report(self) -> dict[str, Any]:
+        return {"resumed_from": self.path.name if self.path else None, "reason": self.reason,
+                "evaluation_changed": list(self.evaluation_changed), "skipped_corrupt": list(self.skipped_corrupt)}
+
+
+def find_resumable(checkpoints_dir: str | os.PathLike[str], prefix: str, identity: RunIdentity, *, main: bool,
+                   log: logging.Logger, required_files: Sequence[str] = ()) -> Resume:
+    """The newest readable checkpoint if it was written under ``identity``, else a fresh start.
+
+    Checkpoints are tried newest first; one whose ``trainer_state.json`` is not valid JSON, lacks
+    an ``identity`` or lacks one of ``required_files`` is skipped with a warning naming it (the
+    main process removes it). If the newest readable checkpoint's identity differs, the run
+    changed: the main process logs which parts differ and removes every checkpoint (a fresh start,
+    never a wrong resume). Leftover ``.tmp-<prefix>*`` directories of an interrupted write are
+    removed too.
     """
     d = Path(checkpoints_dir)
+    skipped: list[str] = []
+    result = Resume(None, None, "no checkpoint")
     existing = list_checkpoints(d, prefix)
-    found = None
-    if existing:
-        latest = existing[-1]
-        state = read_state(latest)
-        if state.get("fingerprint") == fingerprint:
-            found = (latest, state)
-        elif main:
-            old = state.get("fingerprint_parts", {})
-            why = [k for k in parts if old.get(k) != parts[k]]
-            log.warning("checkpoint %s does not match this run (different %s): starting fresh, removing %d old "
-                        "checkpoint(s)", latest, ", ".join(why) or "fingerprint", len(existing))
-            for p in existing:
-                shutil.rmtree(p, ignore_errors=True)
-    if main and d.is_dir():
-        for p in d.glob(f".tmp-{prefix}*"):
+    for path in reversed(existing):
+        try:
+            state = read_state(path)
+            if not isinstance(state, dict) or "identity" not in state:
+                raise ValueError("no run identity recorded")
+            missing = [f for f in required_files if not (path / f.format(**state)).is_file()]
+            if missing:
+                raise ValueError(f"missing {', '.join(missing)}")
+        except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            if main:
+                log.warning("checkpoint %s is unreadable (%s): skipping it", path, exc)
+            skipped.append(f"{path.name}: {exc}")
+            continue
+        if state["identity"] == identity.digest:
+            changed_eval = identity.changed_evaluation(state.get("evaluation_parts"))
+            result = Resume(path, state, f"same run identity {identity.digest[:12]}", tuple(changed_eval))
+        else:
+            why = identity.changed(state.get("identity_parts"))
+            result = Resume(None, None, f"run identity changed since {path.name}: {RunIdentity.describe_change(why)}")
+            if main:
+                log.warning("checkpoint %s was written under another run identity (changed: %s): starting fresh, "
+                            "removing %d checkpoint(s)", path, RunIdentity.describe_change(why), len(existing))
+        break
+    if main:
+        drop = existing if result.path is None else [p for p in existing if p.name in {s.split(":")[0] for s in skipped}]
+        for p in drop:
             shutil.rmtree(p, ignore_errors=True)
-    return found
+        if d.is_dir():
+            for p in d.glob(f".tmp-{prefix}*"):
+                shutil.rmtree(p, ignore_errors=True)
+    return Resume(result.path, result.state, result.reason, result.evaluation_changed, tuple(skipped))
+
+
+def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str],
+                     metadata: Mapping[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` (tensors made contiguous on the CPU), then
+    :func:`canonicalise_safetensors`: equal tensors and metadata give equal bytes."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path),
+              metadata=dict(metadata) if metadata else None)
+    canonicalise_safetensors(path)
+
+
+def canonicalise_safetensors(path: str | os.PathLike[str]) -> None:
+    """Rewrite a safetensors file's header so its bytes depend only on its tensors and metadata
+    values: the ``__metadata__`` map is written with sorted keys (the Rust writer keeps it in a
+    hash map, so its order changes from process to process), JSON-valued metadata is
+    re-serialised with sorted keys and sorted string lists (diffusers builds ``target_modules``
+    from a ``set``). The tensor entries and data bytes are kept as they are; the header is padded
+    with spaces to a multiple of 8 bytes, as the safetensors writer does.
+
+    Raises:
+        ValueError: not a safetensors file.
+    """
+    p = Path(path)
+    blob = p.read_bytes()
+    if len(blob) < 8:
+        raise ValueError(f"{p}: not a safetensors file")
+    n = int.from_bytes(blob[:8], "little")
+    try:
+        header = json.loads(blob[8:8 + n])
+    except ValueError as exc:
+        raise ValueError(f"{p}: not a safetensors file ({exc})") from exc
+    meta = header.pop("__metadata__", None)
+    out: dict[str, Any] = {}
+    if meta:
+        canon = {}
+        for k in sorted(meta):
+            v = meta[k]
+            try:
+                obj = json.loads(v)
+            except ValueError:
+                canon[k] = v
+                continue
+            canon[k] = json.dumps(_sorted_json(obj), sort_keys=True) if isinstance(obj, (dict, list)) else v
+        out["__metadata__"] = canon
+    out.update(header)
+    text = json.dumps(out, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    data = len(text).to_bytes(8, "little") + text + blob[8 + n:]
+    if data != blob:
+        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, p)
+
+
+def canonicalise_adapter_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a saved adapter directory's bytes deterministic: every ``*.safetensors`` through
+    :func:`canonicalise_safetensors`, and every ``*.json`` rewritten with sorted keys (2-space
+    indent) and its ``target_modules`` list sorted (peft writes it from a ``set``)."""
+    d = Path(directory)
+    for f in sorted(d.glob("*.safetensors")):
+        canonicalise_safetensors(f)
+    for f in sorted(d.glob("*.json")):
+        obj = json.loads(f.read_text())
+        if isinstance(obj, dict) and isinstance(obj.get("target_modules"), list):
+            obj["target_modules"] = sorted(obj["target_modules"])
+        f.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _sorted_json(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _sorted_json(v) for k, v in obj.items()}
+    if isinstance(obj, list) and all(isinstance(x, str) for x in obj):
+        return sorted(obj)
+    if isinstance(obj, list):
+        return [_sorted_json(x) for x in obj]
+    return obj
 
 
 def prune(checkpoints_dir: str | os.PathLike[str], prefix: str, keep: int) -> None:
@@ -92,42 +213,14 @@ def prune(checkpoints_dir: str | os.PathLike[str], prefix: str, keep: int) -> No
 
 def write_plot_csvs(plots_dir: Path | None, history: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
     """``<plots_dir>/<name>.csv`` for every ``history[name]`` (rows of a table), each replaced
-    atomically; ``plots_dir=None`` writes nothing (non-main processes)."""
+    atomically; columns ``epoch``, ``step`` first, the rest sorted (the same bytes whether the rows
+    come from this run or a checkpoint's JSON); ``plots_dir=None`` writes nothing."""
     if plots_dir is None:
         return
     plots_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in history.items():
         tmp = plots_dir / f".{name}.csv.tmp-{os.getpid()}"
-        pd.DataFrame(list(rows)).to_csv(tmp, index=False)
+        frame = pd.DataFrame(list(rows))
+        lead = [c for c in ("epoch", "step") if c in frame.columns]
+        frame[lead + sorted(c for c in frame.columns if c not in lead)].to_csv(tmp, index=False)
         os.replace(tmp, plots_dir / f"{name}.csv")
-
-
-def _hash_file(h: Any, path: Path, full: bool) -> None:
-    size = path.stat().st_size
-    h.update(f"{path.name}:{size}\n".encode())
-    with open(path, "rb") as fh:
-        if full:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-            return
-        # large files: 17 evenly spaced 1 MiB samples (the first holds the safetensors header)
-        for k in range(17):
-            fh.seek(k * max(size - (1 << 20), 0) // 16)
-            h.update(fh.read(1 << 20))
-
-
-def model_digest(base_dir: str | os.PathLike[str]) -> str:
-    """sha256 over a model directory's config/tokenizer files and weight files (weights hashed in
-    full up to 1 GiB in total, by 17 samples of 1 MiB per file above that): what a checkpoint's
-    fingerprint records of the model it was trained from."""
-    base = Path(base_dir)
-    files = sorted(p for p in base.rglob("*") if p.is_file())
-    weights = [p for p in files if p.suffix in (".safetensors", ".bin")]
-    full_weights = sum(p.stat().st_size for p in weights) <= _FULL_HASH_LIMIT
-    h = hashlib.sha256()
-    for p in files:
-        is_weight = p in weights
-        if is_weight or p.suffix in (".json", ".txt", ".jinja", ".model"):
-            h.update(str(p.relative_to(base)).encode() + b"\0")
-            _hash_file(h, p, full_weights or not is_weight)
-    return h.hexdigest()

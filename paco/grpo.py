@@ -44,25 +44,27 @@ step equals the single-process step up to float summation order.
 
 Checkpoints (every ``save_every`` epochs and after the last): ``epoch-NNNN/`` with the trained,
 old and EMA LoRA weights (``lora.safetensors``), the optimizer (``optimizer.pt``), the RNG
-states (``rng-<rank>.pt``) and ``trainer_state.json`` (epoch, history, fingerprint). A rerun resumes
-from the newest checkpoint whose fingerprint (params except ``save_every``/``eval``/``epochs``,
-process count, prompts, policy model) matches and that is not past ``epochs``, else starts
-fresh (so raising ``epochs`` continues a finished run). Since every random draw is seeded
-from ``(seed, epoch, ...)``, a resumed run equals an uninterrupted one.
+states (``rng-<rank>.pt``) and ``trainer_state.json`` (run identity, epoch, history); the
+weights of every evaluation are kept in ``eval-weights/``. A rerun resumes from the newest
+readable checkpoint written under the same run identity (:mod:`paco.run_identity`: every
+declared dep, code file and params key except ``epochs``, ``save_every``, ``resources`` and the
+evaluation keys, plus the process count and device type) that is not past ``epochs``, else
+starts fresh and says why; so raising ``epochs`` continues a finished run, and a change of the
+evaluation params (``eval.*`` but ``every``) re-evaluates the kept weights without an optimizer
+step. Since every random draw is seeded from ``(seed, epoch, ...)``, a resumed run equals an
+uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +74,12 @@ import torch
 
 from paco import checkpoints as ckpt
 from paco.advantages import aggregate, weighted_sum
-from paco.composites import stable_seed
+from paco.seeding import stable_seed
 from paco.io import write_json
-from paco.params import GrpoSubtaskParams
+from paco.params import GrpoSubtaskParams, ParamsError
 from paco.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, PromptEmbeds, grid_size
 from paco.rewards import PromptInfo, RewardContext, compute_rewards
+from paco.run_identity import RunIdentity
 
 log = logging.getLogger("paco.grpo")
 
@@ -210,68 +213,52 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
 class LoraEMA:
     """Exponential moving average of the trained LoRA weights (float32 copies).
 
-    ``update``: ``ema = decay * ema + (1 - decay) * w``. ``swapped_in(policy)`` puts the EMA
+    After optimizer step ``t`` (the count of finished steps, 1-based), if ``(t + 1) %
+    update_every == 0``: ``ema = d_t * ema + (1 - d_t) * w`` with ``d_t = decay``, or with
+    ``warmup`` ``d_t = min((1 + t) / (10 + t), decay)`` -- the released code's
+    ``EMAModuleWrapper.step`` (``paco_grpo/ema.py``; ``train_flux.py`` calls it with
+    ``update_step_interval=8`` after each optimizer step). ``swapped_in(params)`` puts the EMA
     weights into the trained adapter for a ``with`` block and restores the live ones after.
     """
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], decay: float):
+    def __init__(self, params: dict[str, torch.nn.Parameter], decay: float, *, warmup: bool = False,
+                 update_every: int = 1):
         self.decay = float(decay)
+        self.warmup = bool(warmup)
+        self.update_every = int(update_every)
         self.shadow = {n: p.detach().float().clone() for n, p in params.items()}
 
+    def decay_at(self, step: int) -> float:
+        """``d_t`` of optimizer step ``t`` (see the class docstring)."""
+        return min((1.0 + step) / (10.0 + step), self.decay) if self.warmup else self.decay
+
     @torch.no_grad()
-    def update(self, params: dict[str, torch.nn.Parameter]) -> None:
+    def step(self, params: dict[str, torch.nn.Parameter], step: int) -> bool:
+        """The EMA update after optimizer step ``step`` (1-based); returns whether it updated."""
+        if (step + 1) % self.update_every != 0:
+            return False
+        d = self.decay_at(step)
         for n, p in params.items():
-            self.shadow[n].mul_(self.decay).add_(p.detach().float(), alpha=1.0 - self.decay)
+            self.shadow[n].mul_(d).add_(p.detach().float(), alpha=1.0 - d)
+        return True
 
     def swapped_in(self, params: dict[str, torch.nn.Parameter]):
-        import contextlib
-
-        @contextlib.contextmanager
-        def ctx():
-            live = {n: p.detach().clone() for n, p in params.items()}
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(self.shadow[n].to(p.dtype))
-            try:
-                yield
-            finally:
-                with torch.no_grad():
-                    for n, p in params.items():
-                        p.copy_(live[n])
-
-        return ctx()
+        return swapped_weights(params, self.shadow)
 
 
-# --------------------------------------------------------------------------------------------
-# checkpoints
-# --------------------------------------------------------------------------------------------
-
-
-def fingerprint_parts(cfg: GrpoSubtaskParams, *, prompts_digest: str, policy_digest: str,
-                      num_processes: int) -> dict[str, str]:
-    """What a checkpoint must match to be resumed: the params (except ``save_every`` and
-    ``eval``, which do not change the trained weights, ``resources``, and ``epochs``: no
-    schedule depends on it, so a longer run continues a shorter one's checkpoints), the process
-    count, the prompt rows and the policy model files."""
-    params = json.dumps(cfg.model_dump(mode="json", exclude={"save_every", "eval", "resources", "epochs"}),
-                        sort_keys=True)
-    return {"params": hashlib.sha256(params.encode()).hexdigest(), "num_processes": str(int(num_processes)),
-            "prompts": prompts_digest, "policy": policy_digest}
-
-
-def list_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoints (``epoch-N`` directories with ``trainer_state.json``), oldest first."""
-    return ckpt.list_checkpoints(checkpoints_dir, CHECKPOINT_PREFIX)
-
-
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+@contextlib.contextmanager
+def swapped_weights(params: dict[str, torch.nn.Parameter], weights: dict[str, torch.Tensor]):
+    """Put ``weights`` (name -> tensor) into ``params`` for a ``with`` block, restoring after."""
+    live = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[n].to(p.dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(live[n])
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,6 +274,22 @@ def _gather(accelerator: Any, obj: list) -> list:
     return gather_object(obj)
 
 
+def _broadcast(accelerator: Any, obj: Any) -> Any:
+    """``obj`` of the main process, on every process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    box = [obj]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
+def _barrier(accelerator: Any) -> None:
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+
+
 def _sum_grads(accelerator: Any, params: Sequence[torch.nn.Parameter]) -> None:
     if accelerator is None or accelerator.num_processes == 1:
         return
@@ -296,6 +299,16 @@ def _sum_grads(accelerator: Any, params: Sequence[torch.nn.Parameter]) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,8 +351,14 @@ def evaluate(policy: FluxPolicy, prompts: Sequence[PromptInfo], sizes: Sequence[
     return out
 
 
+def evaluation_epochs(epochs: int, every: int) -> list[int]:
+    """The epochs (counts of finished epochs) after which GRPO evaluates: ``0, every, 2 every,
+    ...`` below ``epochs``, and ``epochs`` itself."""
+    return sorted({e for e in range(0, epochs, every)} | {epochs})
+
+
 # --------------------------------------------------------------------------------------------
-# training
+# the run: setup and state
 # --------------------------------------------------------------------------------------------
 
 
@@ -356,15 +375,472 @@ class EpochInfo:
 
 #: the ``prompts.parquet`` columns GRPO and final sampling read
 PROMPT_COLUMNS = ["prompt_id", "split", "prompt", "global_prompt", "rows", "cols", "height", "width", "panel_prompts"]
+EVAL_WEIGHTS_DIR = "eval-weights"
 
 
-def prompts_digest(prompts: pd.DataFrame) -> str:
-    """sha256 of the prompt rows GRPO reads (:data:`PROMPT_COLUMNS`)."""
-    h = hashlib.sha256()
-    for rec in prompts.sort_values("prompt_id")[PROMPT_COLUMNS].to_dict("records"):
-        h.update(json.dumps({k: (list(v) if not isinstance(v, (str, int, float)) else v) for k, v in rec.items()},
-                            sort_keys=True, default=str).encode())
-    return h.hexdigest()
+@dataclass
+class GrpoRun:
+    """What stays fixed through a GRPO run: params, processes, the policy with its adapters, the
+    optimizer, the EMA, the prompts and their sizes, the run identity and where state goes."""
+
+    cfg: GrpoSubtaskParams
+    ctx: RewardContext
+    identity: RunIdentity
+    accelerator: Any
+    rank: int
+    world: int
+    device: torch.device
+    policy: FluxPolicy
+    trained: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    ema: LoraEMA | None
+    infos: dict[str, PromptInfo]
+    train_ids: list[str]
+    train_size: dict[str, tuple[int, int]]
+    eval_prompts: list[PromptInfo]
+    eval_sizes: list[tuple[int, int]]
+    checkpoints_dir: Path
+    plots_dir: Path | None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def n_traj(self) -> int:
+        return self.cfg.prompts_per_epoch * self.cfg.group_size
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.trained.values())
+
+    def eval_weights_path(self, epoch: int) -> Path:
+        return self.checkpoints_dir / EVAL_WEIGHTS_DIR / f"{CHECKPOINT_PREFIX}{epoch:04d}.safetensors"
+
+    def eval_weights(self) -> dict[str, torch.Tensor]:
+        """The weights evaluated and saved: the EMA if enabled, else the trained adapter's."""
+        if self.ema is not None:
+            return {n: v.clone() for n, v in self.ema.shadow.items()}
+        return {n: p.detach().float().clone() for n, p in self.trained.items()}
+
+
+@dataclass
+class GrpoState:
+    """What a GRPO run accumulates and checkpoints: finished epochs, the training and evaluation
+    history (one row per epoch / evaluation; deterministic figures only), every epoch's
+    per-trajectory weighted rewards, and this run's bookkeeping (not checkpointed)."""
+
+    epoch: int = 0
+    history: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"train": [], "eval": []})
+    per_sample_rewards: list[list[float]] = field(default_factory=list)
+    resume: ckpt.Resume | None = None
+    epochs_this_run: int = 0
+    reevaluated: list[int] = field(default_factory=list)
+    first_update_ratio_dev: list[float] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=lambda: {"sample": 0.0, "reward": 0.0, "train": 0.0, "eval": 0.0})
+    epoch_seconds: list[dict[str, Any]] = field(default_factory=list)
+
+
+def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.PathLike[str], ctx: RewardContext,
+          identity: RunIdentity, *, checkpoints_dir: str | os.PathLike[str], plots_dir: str | os.PathLike[str] | None,
+          accelerator: Any) -> GrpoRun:
+    """Check the prompts against the params, load the policy with its LoRA adapters (trained,
+    old) and build the optimizer and the EMA.
+
+    Raises:
+        paco.params.ParamsError: a split without prompts, too few prompts for ``prompts_per_epoch`` or too few
+            trajectories for the gradient steps.
+    """
+    from paco.models.loading import load_flux_pipeline
+    from paco.stage import cpu_threads_per_process
+
+    rank = accelerator.process_index if accelerator is not None else 0
+    world = accelerator.num_processes if accelerator is not None else 1
+    device = accelerator.device if accelerator is not None else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+
+    infos = {str(r["prompt_id"]): PromptInfo.from_row(r) for r in prompts.to_dict("records")}
+    split = prompts["split"].astype(str)
+    splits = sorted(set(split))
+    for key, name in (("split", cfg.split), ("eval.split", cfg.eval.split)):
+        if name not in splits:
+            raise ParamsError(f"grpo.<subtask>.{key} {name!r} has no prompts (the prompts' splits: {splits})")
+    train_ids = sorted(prompts.loc[split == cfg.split, "prompt_id"].astype(str))
+    eval_ids = sorted(prompts.loc[split == cfg.eval.split, "prompt_id"].astype(str))
+    if cfg.eval.max_prompts:
+        eval_ids = eval_ids[: cfg.eval.max_prompts]
+    if cfg.prompts_per_epoch > len(train_ids):
+        raise ParamsError(f"prompts_per_epoch={cfg.prompts_per_epoch} but split {cfg.split!r} has "
+                         f"{len(train_ids)} prompts")
+    n_traj = cfg.prompts_per_epoch * cfg.group_size
+    if n_traj < cfg.train.gradient_steps_per_epoch:
+        raise ParamsError(f"{n_traj} trajectories per epoch cannot make {cfg.train.gradient_steps_per_epoch} steps")
+    size_of = {pid: (int(r["height"]), int(r["width"])) for pid, r in
+               prompts.set_index(prompts["prompt_id"].astype(str))[["height", "width"]].iterrows()}
+
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and on_gpu) else torch.float32
+    pipe = load_flux_pipeline(policy_dir, dtype=dtype)
+    pipe.to(device)
+    policy = FluxPolicy(pipe, cfg.lora, max_sequence_length=cfg.sample.max_sequence_length,
+                        guidance_scale=cfg.sample.guidance_scale, seed=stable_seed(cfg.seed, "lora"))
+    trained = policy.adapter_parameters(TRAINED_ADAPTER)
+    with torch.no_grad():  # LoRA weights stay float32 (bf16 base on GPUs)
+        for p in list(trained.values()) + list(policy.adapter_parameters(OLD_ADAPTER).values()):
+            p.data = p.data.float()
+    t = cfg.train
+    optimizer = torch.optim.AdamW(list(trained.values()), lr=t.learning_rate, betas=t.adam_betas, eps=t.adam_eps,
+                                  weight_decay=t.weight_decay)
+    ema = LoraEMA(trained, t.ema.decay, warmup=t.ema.warmup, update_every=t.ema.update_every) if t.ema.enabled else None
+    run = GrpoRun(
+        cfg=cfg, ctx=ctx, identity=identity, accelerator=accelerator, rank=rank, world=world, device=device,
+        policy=policy, trained=trained, optimizer=optimizer, ema=ema, infos=infos, train_ids=train_ids,
+        train_size={pid: grid_size(*size_of[pid], cfg.train.resolution) for pid in train_ids},
+        eval_prompts=[infos[p] for p in eval_ids],
+        eval_sizes=[grid_size(*size_of[p], cfg.eval.resolution) for p in eval_ids],
+        checkpoints_dir=Path(checkpoints_dir),
+        plots_dir=Path(plots_dir) if (plots_dir is not None and rank == 0) else None,
+    )
+    if run.main:
+        n_lora = sum(p.numel() for p in run.params)
+        log.info("policy %s: LoRA r=%d alpha=%g on %d modules, %d trainable parameters; %d threads on %s",
+                 policy_dir, cfg.lora.rank, cfg.lora.alpha, len(run.params) // 2, n_lora, torch.get_num_threads(),
+                 device)
+        log.info("%d epochs x (%d prompts x %d trajectories) at %dpx, %d SDE step(s) of %d; %d gradient steps/epoch; "
+                 "eval on %d prompts at %dpx every %d epochs", cfg.epochs, cfg.prompts_per_epoch, cfg.group_size,
+                 cfg.train.resolution, len(cfg.sample.sde_indices), cfg.sample.num_steps, t.gradient_steps_per_epoch,
+                 len(run.eval_prompts), cfg.eval.resolution, cfg.eval.every)
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# the steps: resume, rollout, reward, advantages, update, evaluate, save
+# --------------------------------------------------------------------------------------------
+
+
+def _load_checkpoint(path: Path, rank: int, with_ema: bool) -> dict[str, Any]:
+    """Read a checkpoint's files into memory (nothing is applied yet).
+
+    Raises:
+        Exception: a file is missing or corrupt (``OSError``, ``SafetensorError``, an unpickling
+            error, ``KeyError`` for missing EMA weights).
+    """
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "lora.safetensors"))
+    if with_ema and not any(k.startswith("ema/") for k in weights):
+        raise KeyError("no EMA weights")
+    return {"weights": weights, "optimizer": torch.load(path / "optimizer.pt", weights_only=False),
+            "rng": torch.load(path / f"rng-{rank}.pt", weights_only=False)}
+
+
+def resume(run: GrpoRun) -> GrpoState:
+    """The state to continue from: the newest readable checkpoint written under the same run
+    identity (:func:`paco.checkpoints.find_resumable`; decided by the main process and broadcast),
+    with the adapters, EMA, optimizer and RNG states restored, or a fresh state. A checkpoint past
+    ``epochs`` (a longer run's) is not resumed. Evaluations not on this run's schedule
+    (:func:`evaluation_epochs`; a shorter run's final one) are dropped."""
+    cfg = run.cfg
+    ckdir = run.checkpoints_dir
+    files = ["lora.safetensors", "optimizer.pt"] + [f"rng-{r}.pt" for r in range(run.world)]
+    found = None
+    if run.main:
+        found = ckpt.find_resumable(ckdir, CHECKPOINT_PREFIX, run.identity, main=True, log=log, required_files=files)
+        while found.path is not None:
+            state = found.state
+            if int(state["epoch"]) > cfg.epochs:
+                log.warning("checkpoint %s is after epoch %d > epochs %d: starting fresh", found.path,
+                            int(state["epoch"]), cfg.epochs)
+                found = ckpt.Resume(None, None, f"{found.path.name} is past epochs {cfg.epochs}",
+                                    skipped_corrupt=found.skipped_corrupt)
+                break
+            try:
+                _load_checkpoint(found.path, 0, run.ema is not None)
+                break
+            except Exception as exc:  # noqa: BLE001 - any failure to read it (SafetensorError, pickle, ...)
+                log.warning("checkpoint %s is unreadable (%s: %s): skipping it", found.path, type(exc).__name__, exc)
+                shutil.rmtree(found.path, ignore_errors=True)
+                skipped = found.skipped_corrupt + (f"{found.path.name}: {exc}",)
+                found = ckpt.find_resumable(ckdir, CHECKPOINT_PREFIX, run.identity, main=True, log=log,
+                                            required_files=files)
+                found = ckpt.Resume(found.path, found.state, found.reason, found.evaluation_changed,
+                                    skipped + found.skipped_corrupt)
+        if found.path is None:
+            for p in ckpt.list_checkpoints(ckdir, CHECKPOINT_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+            shutil.rmtree(ckdir / EVAL_WEIGHTS_DIR, ignore_errors=True)
+    found = _broadcast(run.accelerator, found)
+    state = GrpoState(resume=found)
+    if found.path is None:
+        if run.main:
+            log.info("starting fresh: %s", found.reason)
+        return state
+    loaded = _load_checkpoint(found.path, run.rank, run.ema is not None)
+    with torch.no_grad():
+        for tag, adapter in (("trained", TRAINED_ADAPTER), ("old", OLD_ADAPTER)):
+            for n, p in run.policy.adapter_parameters(adapter).items():
+                p.copy_(loaded["weights"][f"{tag}/{n}"])
+        if run.ema is not None:
+            for n in run.ema.shadow:
+                run.ema.shadow[n].copy_(loaded["weights"][f"ema/{n}"])
+    run.optimizer.load_state_dict(loaded["optimizer"])
+    _set_rng_state(loaded["rng"])
+    saved = found.state
+    state.epoch = int(saved["epoch"])
+    schedule = set(evaluation_epochs(cfg.epochs, cfg.eval.every))
+    state.history = {"train": saved["history"]["train"],
+                     "eval": [r for r in saved["history"]["eval"] if r["epoch"] in schedule]}
+    state.per_sample_rewards = saved["per_sample_rewards"]
+    if run.main:
+        log.info("resuming from %s after epoch %d of %d (%s)", found.path, state.epoch, cfg.epochs, found.reason)
+    return state
+
+
+@dataclass
+class Rollout:
+    """One epoch's samples on this process: the chosen prompts (all processes), this process's
+    trajectories (global prompt-major indices) and their decoded images."""
+
+    chosen: list[str]
+    trajectories: list[Trajectory]
+    images: list[Any]
+
+
+def rollout(run: GrpoRun, epoch: int) -> Rollout:
+    """Sample the epoch's ``K x G`` trajectories with the old adapter; trajectory ``i`` (prompt
+    major) on process ``i % P`` (:func:`epoch_prompts`, :func:`sample_group`)."""
+    cfg = run.cfg
+    chosen = epoch_prompts(run.train_ids, cfg.prompts_per_epoch, cfg.seed, epoch)
+    trajs: list[Trajectory] = []
+    images: list[Any] = []
+    with run.policy.using(OLD_ADAPTER):
+        for k, pid in enumerate(chosen):
+            mine = [g for g in range(cfg.group_size) if (k * cfg.group_size + g) % run.world == run.rank]
+            if not mine:
+                continue
+            emb = run.policy.encode_prompts([run.infos[pid].prompt])
+            h, w = run.train_size[pid]
+            tr, ims = sample_group(run.policy, run.infos[pid], emb, mine, cfg, epoch, h, w,
+                                   base_index=k * cfg.group_size)
+            trajs += tr
+            images += ims
+    return Rollout(chosen, trajs, images)
+
+
+def reward(run: GrpoRun, roll: Rollout) -> dict[str, np.ndarray]:
+    """Every reward of ``rewards`` for this process's samples, gathered over processes:
+    reward name -> ``(K * G,)`` float64 in trajectory order.
+
+    Raises:
+        paco.rewards.RewardError, paco.judge_client.JudgeError: a reward failed.
+        RuntimeError: the gathered rewards do not cover the epoch exactly once.
+    """
+    cfg = run.cfg
+    local_rewards = compute_rewards(list(cfg.rewards), roll.images, [run.infos[t.prompt_id] for t in roll.trajectories],
+                                    run.ctx)
+    local = [(t.index, {k: float(v[j]) for k, v in local_rewards.items()}) for j, t in enumerate(roll.trajectories)]
+    gathered = sorted(_gather(run.accelerator, local), key=lambda r: r[0])
+    if [i for i, _ in gathered] != list(range(run.n_traj)):
+        raise RuntimeError("gathered rewards do not cover the epoch's trajectories exactly once")
+    return {k: np.array([r[1][k] for r in gathered]) for k in cfg.rewards}
+
+
+@dataclass
+class Advantages:
+    """The epoch's aggregated rewards ``(K * G,)``, clipped advantages ``(K * G,)``, the
+    aggregation's diagnostics and the raw weighted reward ``(K * G,)``."""
+
+    aggregated: np.ndarray
+    advantages: np.ndarray
+    info: dict[str, Any]
+    weighted: np.ndarray
+
+
+def advantages(run: GrpoRun, rewards: dict[str, np.ndarray], chosen: Sequence[str]) -> Advantages:
+    """Group advantages of the epoch (:func:`paco.advantages.aggregate`: ``aggregation.method``,
+    ``delta``, ``train.global_std``), clipped to ``+-train.adv_clip_max``."""
+    cfg, t = run.cfg, run.cfg.train
+    group_ids = [chosen[i // cfg.group_size] for i in range(run.n_traj)]
+    agg, adv, info = aggregate(rewards, cfg.rewards, group_ids, method=cfg.aggregation.method,
+                               delta=cfg.aggregation.delta, global_std=t.global_std)
+    return Advantages(np.asarray(agg), np.clip(adv, -t.adv_clip_max, t.adv_clip_max), info,
+                      weighted_sum(rewards, cfg.rewards))
+
+
+def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: GrpoState) -> dict[str, float]:
+    """The epoch's policy update (module docstring, step 5), then the old adapter := trained.
+
+    Returns the summed statistics over processes (``loss``, ``policy_loss``, ``kl``, ``ratio``,
+    ``clipped``, ``n`` transitions) and ``grad_norm`` (mean pre-clip norm over steps).
+
+    Raises:
+        FloatingPointError: a non-finite loss.
+    """
+    cfg, t, policy, device = run.cfg, run.cfg.train, run.policy, run.device
+    by_index = {tj.index: tj for tj in roll.trajectories}
+    n_sde = len(cfg.sample.sde_indices)
+    stats = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0, "n": 0.0}
+    grad_norms = []
+    for step_no, mb in enumerate(minibatches(run.n_traj, t.gradient_steps_per_epoch, cfg.seed, epoch)):
+        denom = float(len(mb) * n_sde)
+        local_idx = [int(i) for i in mb if int(i) in by_index]
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for i in local_idx:
+            shapes.setdefault((by_index[i].height, by_index[i].width), []).append(i)
+        run.optimizer.zero_grad(set_to_none=True)
+        for (h, w), idx in sorted(shapes.items()):
+            for c0 in range(0, len(idx), t.batch_size):
+                chunk = [by_index[i] for i in idx[c0:c0 + t.batch_size]]
+                emb = PromptEmbeds.cat([c.embeds for c in chunk]).to_device(device)
+                a = torch.tensor([adv[c.index] for c in chunk], dtype=torch.float32, device=device)
+                for j in range(n_sde):
+                    step = chunk[0].sde_indices[j]
+                    x = torch.stack([c.latents[j, 0] for c in chunk]).to(device)
+                    x_next = torch.stack([c.latents[j, 1] for c in chunk]).to(device)
+                    sig, sig_next = chunk[0].sigmas[step], chunk[0].sigmas[step + 1]
+                    ts_ = chunk[0].timesteps[step]
+                    args = (x, x_next, sig, sig_next, ts_, emb, h, w, cfg.sample.noise_level, cfg.sample.sigma_max)
+                    with torch.no_grad():
+                        with policy.using(OLD_ADAPTER):
+                            old_lp, _, _ = policy.transition_log_prob(*args)
+                        with policy.using(None):
+                            _, ref_mean, _ = policy.transition_log_prob(*args)
+                    lp, mean, std = policy.transition_log_prob(*args)
+                    pl, ratio = clipped_surrogate(lp, old_lp, a, t.clip_range)
+                    kl = gaussian_mean_kl(mean, ref_mean, std)
+                    per = pl + t.beta * kl
+                    loss = per.sum() / denom
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"non-finite GRPO loss at epoch {epoch + 1}, step {step_no + 1}")
+                    loss.backward()
+                    with torch.no_grad():
+                        if step_no == 0:
+                            state.first_update_ratio_dev.append(float((ratio - 1).abs().max()))
+                        stats["loss"] += float(per.sum())
+                        stats["policy_loss"] += float(pl.sum())
+                        stats["kl"] += float(kl.sum())
+                        stats["ratio"] += float(ratio.sum())
+                        stats["clipped"] += float(((ratio - 1).abs() > t.clip_range).float().sum())
+                        stats["n"] += len(chunk)
+        _sum_grads(run.accelerator, run.params)
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(run.params, t.max_grad_norm)))
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        if run.ema is not None:
+            run.ema.step(run.trained, epoch * t.gradient_steps_per_epoch + step_no + 1)
+    policy.copy_adapter(TRAINED_ADAPTER, OLD_ADAPTER)
+    if run.world > 1:
+        sums = _gather(run.accelerator, [stats])
+        stats = {k: sum(s[k] for s in sums) for k in stats}
+    stats["grad_norm"] = float(np.mean(grad_norms))
+    return stats
+
+
+def evaluate_weights(run: GrpoRun, epoch: int, weights: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Evaluate (:func:`evaluate`) ``weights`` (default :meth:`GrpoRun.eval_weights`) in the
+    trained adapter; the main process keeps the weights as ``eval-weights/epoch-NNNN.safetensors``
+    so that a change of the evaluation params re-evaluates them without retraining."""
+    weights = run.eval_weights() if weights is None else weights
+    if run.main:
+        path = run.eval_weights_path(epoch)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        ckpt.save_safetensors(weights, tmp)
+        os.replace(tmp, path)
+    with swapped_weights(run.trained, weights), run.policy.using(TRAINED_ADAPTER):
+        res = evaluate(run.policy, run.eval_prompts, run.eval_sizes, run.cfg, run.ctx, rank=run.rank,
+                       world=run.world, accelerator=run.accelerator)
+    if run.main:
+        log.info("eval after epoch %d at %dpx: reward %.4f (%s)", epoch, run.cfg.eval.resolution, res["reward"],
+                 ", ".join(f"{k} {res[f'{k}_mean']:.4f}" for k in run.cfg.rewards))
+    return {"epoch": epoch, **res}
+
+
+def reevaluate(run: GrpoRun, state: GrpoState) -> None:
+    """After a change of the evaluation params only: evaluate again the kept weights of every
+    evaluation in the history (``eval-weights/``), replacing its row; no optimizer step.
+
+    Raises:
+        FileNotFoundError: the kept weights of an evaluation are missing.
+    """
+    from safetensors.torch import load_file
+
+    rows = []
+    for row in state.history["eval"]:
+        path = run.eval_weights_path(int(row["epoch"]))
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: the weights evaluated after epoch {row['epoch']} are missing")
+        weights = load_file(str(path))
+        t0 = time.perf_counter()
+        rows.append(evaluate_weights(run, int(row["epoch"]), weights))
+        state.timings["eval"] += time.perf_counter() - t0
+        state.reevaluated.append(int(row["epoch"]))
+    state.history["eval"] = rows
+
+
+def save(run: GrpoRun, state: GrpoState) -> str:
+    """Checkpoint ``epoch-NNNN/`` after ``state.epoch`` epochs: trained, old and EMA LoRA
+    weights, the optimizer, every process's RNG state and ``trainer_state.json`` (run identity,
+    epoch, history, per-sample rewards); written to a temp directory and renamed; the newest
+    :data:`KEEP_CHECKPOINTS` are kept. Also rewrites ``plots/*.csv``."""
+    ckdir = run.checkpoints_dir
+    name = f"{CHECKPOINT_PREFIX}{state.epoch:04d}"
+    tmp = ckdir / f".tmp-{name}"
+    if run.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(run.accelerator)
+    torch.save(_rng_state(), tmp / f"rng-{run.rank}.pt")
+    _barrier(run.accelerator)
+    if run.main:
+        weights = {f"trained/{n}": p.detach().float() for n, p in run.trained.items()}
+        weights.update({f"old/{n}": p.detach().float() for n, p in run.policy.adapter_parameters(OLD_ADAPTER).items()})
+        if run.ema is not None:
+            weights.update({f"ema/{n}": v for n, v in run.ema.shadow.items()})
+        ckpt.save_safetensors(weights, tmp / "lora.safetensors")
+        torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
+        write_json(tmp / STATE_FILE, {**run.identity.to_state(), "epoch": state.epoch, "history": state.history,
+                                      "per_sample_rewards": state.per_sample_rewards})
+        ckpt.replace_dir(tmp, ckdir / name)
+        ckpt.prune(ckdir, CHECKPOINT_PREFIX, KEEP_CHECKPOINTS)
+        ckpt.write_plot_csvs(run.plots_dir, state.history)
+    _barrier(run.accelerator)
+    return str(ckdir / name)
+
+
+def epoch_row(run: GrpoRun, epoch: int, rewards: dict[str, np.ndarray], adv: Advantages,
+              stats: dict[str, float]) -> dict[str, Any]:
+    """The epoch's ``plots/train.csv`` row: reward means and stds, log-tame diagnostics,
+    advantage and update statistics (deterministic figures only, no timings)."""
+    cfg = run.cfg
+    groups = adv.aggregated.reshape(cfg.prompts_per_epoch, cfg.group_size)
+    row: dict[str, Any] = {"epoch": epoch + 1, "reward": float(adv.weighted.mean()),
+                           "reward_std": float(adv.weighted.std()), "reward_aggregated": float(np.mean(adv.aggregated))}
+    for k, v in rewards.items():
+        row[f"{k}_mean"] = float(v.mean())
+        row[f"{k}_std"] = float(v.std())
+    if "h" in adv.info:
+        for k, hk in adv.info["h"].items():
+            row[f"{k}_h"] = float(hk) if np.isfinite(hk) else None
+        row["tamed"] = "+".join(adv.info["tamed"])
+    n = max(stats["n"], 1.0)
+    row.update({
+        "advantage_abs_mean": float(np.abs(adv.advantages).mean()),
+        "zero_std_group_fraction": float((groups.std(axis=1) < 1e-6).mean()),
+        "clip_fraction": stats["clipped"] / n,
+        "ratio_mean": stats["ratio"] / n,
+        "loss": stats["loss"] / n,
+        "policy_loss": stats["policy_loss"] / n,
+        "kl": stats["kl"] / n,
+        "grad_norm": stats["grad_norm"],
+    })
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------
 
 
 def learning_signal(history: Sequence[dict[str, Any]], per_sample: Sequence[np.ndarray], window: int) -> dict[str, Any]:
@@ -393,6 +869,7 @@ def train_grpo(
     policy_dir: str | os.PathLike[str],
     ctx: RewardContext,
     *,
+    identity: RunIdentity,
     lora_dir: str | os.PathLike[str] | None,
     checkpoints_dir: str | os.PathLike[str],
     plots_dir: str | os.PathLike[str] | None = None,
@@ -401,354 +878,151 @@ def train_grpo(
 ) -> dict[str, Any]:
     """Run PaCo-GRPO (see the module docstring) and save the LoRA.
 
+    The loop is :func:`setup`, :func:`resume` (:func:`reevaluate` if only the evaluation params
+    changed), then per epoch :func:`evaluate_weights` (on the schedule), :func:`rollout`,
+    :func:`reward`, :func:`advantages`, :func:`update`, :func:`save` (every ``save_every``
+    epochs and after the last).
+
     Args:
         cfg: ``grpo.<subtask>`` params.
         prompts: ``prompts.parquet`` rows (``split`` selects train / eval prompts).
         policy_dir: the FLUX pipeline directory (``models`` stage).
         ctx: reward models (judge client, CLIP, instruction, grid splitting).
+        identity: the stage's run identity (:func:`paco.run_identity.stage_identity`); the
+            process count and device type are added here.
         lora_dir: the final LoRA (EMA weights if enabled) in diffusers' format
             (``pytorch_lora_weights.safetensors``, loadable with ``FluxPipeline.load_lora_weights``)
             plus ``lora_config.json``; ``None``: not saved.
-        checkpoints_dir: resumable checkpoints (persisted between runs).
+        checkpoints_dir: resumable checkpoints and kept evaluation weights (persisted).
         plots_dir: ``train.csv`` and ``eval.csv`` (main process; ``None``: not written).
         accelerator: an ``accelerate.Accelerator`` (``None``: one process on CPU).
         callback: called after each epoch with an :class:`EpochInfo`; an exception stops training.
 
     Returns:
-        The metrics dict (history, final evaluation, learning signal, timings, derived sizes).
+        ``{"metrics": headline figures, "report": details}``: ``metrics`` holds deterministic
+        figures only (a cached run equals a fresh one bit for bit), ``report`` the timings, the
+        resume decision and derived sizes.
 
     Raises:
-        ValueError: too few prompts for ``prompts_per_epoch`` or for the gradient steps.
+        ValueError: an empty split, too few prompts for ``prompts_per_epoch`` or for the
+            gradient steps.
         paco.rewards.RewardError, paco.judge_client.JudgeError: a reward failed.
         FloatingPointError: a non-finite loss.
     """
-    from paco.models.loading import load_flux_pipeline
-    from paco.stage import cpu_threads_per_process
-
-    rank = accelerator.process_index if accelerator is not None else 0
-    world = accelerator.num_processes if accelerator is not None else 1
-    main = rank == 0
-    device = accelerator.device if accelerator is not None else torch.device("cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     t_start = time.perf_counter()
+    world = accelerator.num_processes if accelerator is not None else 1
+    device = accelerator.device if accelerator is not None else torch.device("cpu")
+    identity = identity.extended(num_processes=world, device=device.type)
+    run = setup(cfg, prompts, policy_dir, ctx, identity, checkpoints_dir=checkpoints_dir, plots_dir=plots_dir,
+                accelerator=accelerator)
+    state = resume(run)
+    _barrier(accelerator)
+    if state.resume is not None and state.resume.evaluation_changed:
+        if run.main:
+            log.info("evaluation params changed (%s): re-evaluating the kept weights of epochs %s",
+                     ", ".join(state.resume.evaluation_changed), [r["epoch"] for r in state.history["eval"]])
+        reevaluate(run, state)
+        if state.epoch >= cfg.epochs:
+            save(run, state)
+    schedule = set(evaluation_epochs(cfg.epochs, cfg.eval.every))
 
-    # ---------------- data
-    infos = {str(r["prompt_id"]): PromptInfo.from_row(r) for r in prompts.to_dict("records")}
-    split = prompts["split"].astype(str)
-    train_ids = sorted(prompts.loc[split == cfg.split, "prompt_id"].astype(str))
-    eval_ids = sorted(prompts.loc[split == cfg.eval.split, "prompt_id"].astype(str))
-    if cfg.eval.max_prompts:
-        eval_ids = eval_ids[: cfg.eval.max_prompts]
-    if cfg.prompts_per_epoch > len(train_ids):
-        raise ValueError(f"prompts_per_epoch={cfg.prompts_per_epoch} but split {cfg.split!r} has "
-                         f"{len(train_ids)} prompts")
-    n_traj = cfg.prompts_per_epoch * cfg.group_size
-    if n_traj < cfg.train.gradient_steps_per_epoch:
-        raise ValueError(f"{n_traj} trajectories per epoch cannot make {cfg.train.gradient_steps_per_epoch} steps")
-    size_of = {pid: (int(r["height"]), int(r["width"])) for pid, r in
-               prompts.set_index(prompts["prompt_id"].astype(str))[["height", "width"]].iterrows()}
-    train_size = {pid: grid_size(*size_of[pid], cfg.train.resolution) for pid in train_ids}
-    eval_prompts = [infos[p] for p in eval_ids]
-    eval_sizes = [grid_size(*size_of[p], cfg.eval.resolution) for p in eval_ids]
-
-    # ---------------- policy and optimizer
-    on_gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and on_gpu) else torch.float32
-    pipe = load_flux_pipeline(policy_dir, dtype=dtype)
-    pipe.to(device)
-    policy = FluxPolicy(pipe, cfg.lora, max_sequence_length=cfg.sample.max_sequence_length,
-                        guidance_scale=cfg.sample.guidance_scale, seed=stable_seed(cfg.seed, "lora"))
-    trained = policy.adapter_parameters(TRAINED_ADAPTER)
-    with torch.no_grad():  # LoRA weights stay float32 (bf16 base on GPUs)
-        for p in list(trained.values()) + list(policy.adapter_parameters(OLD_ADAPTER).values()):
-            p.data = p.data.float()
-    params = list(trained.values())
-    t = cfg.train
-    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=t.adam_betas, eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
-    ema = LoraEMA(trained, t.ema.decay) if t.ema.enabled else None
-    n_lora = sum(p.numel() for p in params)
-    if main:
-        log.info("policy %s: LoRA r=%d alpha=%g on %d modules, %d trainable parameters; %d threads on %s",
-                 policy_dir, cfg.lora.rank, cfg.lora.alpha, len(params) // 2, n_lora, torch.get_num_threads(), device)
-        log.info("%d epochs x (%d prompts x %d trajectories) at %dpx, %d SDE step(s) of %d; %d gradient steps/epoch; "
-                 "eval on %d prompts at %dpx every %d epochs", cfg.epochs, cfg.prompts_per_epoch, cfg.group_size,
-                 cfg.train.resolution, len(cfg.sample.sde_indices), cfg.sample.num_steps, t.gradient_steps_per_epoch,
-                 len(eval_prompts), cfg.eval.resolution, cfg.eval.every)
-
-    # ---------------- resume
-    parts = fingerprint_parts(cfg, prompts_digest=prompts_digest(prompts), policy_digest=ckpt.model_digest(policy_dir),
-                              num_processes=world)
-    fp = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-    ckdir = Path(checkpoints_dir)
-    history: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
-    per_sample_rewards: list[list[float]] = []
-    start_epoch, resumed_from = 0, None
-    found = ckpt.resumable(ckdir, CHECKPOINT_PREFIX, fp, parts, main=main, log=log)
-    if found is not None and int(found[1]["epoch"]) > cfg.epochs:
-        # a longer run's checkpoint: its weights went past this run's end, start fresh
-        if main:
-            log.warning("checkpoint %s is after epoch %d > epochs %d: starting fresh, removing the checkpoints",
-                        found[0], int(found[1]["epoch"]), cfg.epochs)
-            for old in list_checkpoints(ckdir):
-                shutil.rmtree(old, ignore_errors=True)
-        found = None
-    if found is not None:
-        from safetensors.torch import load_file
-
-        latest, state = found
-        weights = load_file(str(latest / "lora.safetensors"))
-        with torch.no_grad():
-            for tag, adapter in (("trained", TRAINED_ADAPTER), ("old", OLD_ADAPTER)):
-                for n, p in policy.adapter_parameters(adapter).items():
-                    p.copy_(weights[f"{tag}/{n}"])
-            if ema is not None:
-                for n in ema.shadow:
-                    ema.shadow[n].copy_(weights[f"ema/{n}"])
-        optimizer.load_state_dict(torch.load(latest / "optimizer.pt", weights_only=False))
-        _set_rng_state(torch.load(latest / f"rng-{rank}.pt", weights_only=False))
-        history = state["history"]
-        per_sample_rewards = state["per_sample_rewards"]
-        start_epoch, resumed_from = int(state["epoch"]), latest.name
-        if main:
-            log.info("resuming from %s after epoch %d of %d", latest, start_epoch, cfg.epochs)
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
-    plots = Path(plots_dir) if (plots_dir is not None and main) else None
-
-    def save_checkpoint(epoch: int) -> str:
-        from safetensors.torch import save_file
-
-        name = f"{CHECKPOINT_PREFIX}{epoch:04d}"
-        tmp = ckdir / f".tmp-{name}"
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        if accelerator is not None:
-            accelerator.wait_for_everyone()
-        torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
-        if accelerator is not None:
-            accelerator.wait_for_everyone()
-        if main:
-            weights = {f"trained/{n}": p.detach().float().cpu().contiguous() for n, p in trained.items()}
-            weights.update({f"old/{n}": p.detach().float().cpu().contiguous()
-                            for n, p in policy.adapter_parameters(OLD_ADAPTER).items()})
-            if ema is not None:
-                weights.update({f"ema/{n}": v.cpu().contiguous() for n, v in ema.shadow.items()})
-            save_file(weights, str(tmp / "lora.safetensors"))
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-            write_json(tmp / STATE_FILE, {"fingerprint": fp, "fingerprint_parts": parts, "epoch": epoch,
-                                          "history": history, "per_sample_rewards": per_sample_rewards})
-            ckpt.replace_dir(tmp, ckdir / name)
-            ckpt.prune(ckdir, CHECKPOINT_PREFIX, KEEP_CHECKPOINTS)
-            ckpt.write_plot_csvs(plots, history)
-        if accelerator is not None:
-            accelerator.wait_for_everyone()
-        return str(ckdir / name)
-
-    def run_eval(epoch: int) -> None:
-        t0 = time.perf_counter()
-        weights_ctx = ema.swapped_in(trained) if ema is not None else contextlib.nullcontext()
-        with weights_ctx, policy.using(TRAINED_ADAPTER):
-            res = evaluate(policy, eval_prompts, eval_sizes, cfg, ctx, rank=rank, world=world, accelerator=accelerator)
-        res = {"epoch": epoch, **res, "seconds": round(time.perf_counter() - t0, 3)}
-        history["eval"].append(res)
-        if main:
-            log.info("eval after epoch %d at %dpx: reward %.4f (%s)", epoch, cfg.eval.resolution, res["reward"],
-                     ", ".join(f"{k} {res[f'{k}_mean']:.4f}" for k in cfg.rewards))
-
-    # ---------------- loop
-    timings = {"sample": 0.0, "reward": 0.0, "train": 0.0, "eval": 0.0}
-    epochs_this_run = 0
-    first_update_ratio_dev: list[float] = []
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch in range(state.epoch, cfg.epochs):
         t_epoch = time.perf_counter()
-        if epoch % cfg.eval.every == 0 and not any(r["epoch"] == epoch for r in history["eval"]):
+        if epoch in schedule and not any(r["epoch"] == epoch for r in state.history["eval"]):
             te = time.perf_counter()
-            run_eval(epoch)
-            timings["eval"] += time.perf_counter() - te
-
-        # ---- sample with the old policy
+            state.history["eval"].append(evaluate_weights(run, epoch))
+            state.timings["eval"] += time.perf_counter() - te
         ts = time.perf_counter()
-        chosen = epoch_prompts(train_ids, cfg.prompts_per_epoch, cfg.seed, epoch)
-        trajs: list[Trajectory] = []
-        images: list[Any] = []
-        with policy.using(OLD_ADAPTER):
-            for k, pid in enumerate(chosen):
-                mine = [g for g in range(cfg.group_size) if (k * cfg.group_size + g) % world == rank]
-                if not mine:
-                    continue
-                emb = policy.encode_prompts([infos[pid].prompt])
-                h, w = train_size[pid]
-                tr, ims = sample_group(policy, infos[pid], emb, mine, cfg, epoch, h, w, base_index=k * cfg.group_size)
-                trajs += tr
-                images += ims
-        timings["sample"] += time.perf_counter() - ts
-
-        # ---- rewards (all of the epoch's samples, gathered)
-        tr0 = time.perf_counter()
-        rewards_local = compute_rewards(list(cfg.rewards), images, [infos[tj.prompt_id] for tj in trajs], ctx)
-        local = [(tj.index, {k: float(v[j]) for k, v in rewards_local.items()}) for j, tj in enumerate(trajs)]
-        gathered = sorted(_gather(accelerator, local), key=lambda r: r[0])
-        if [i for i, _ in gathered] != list(range(n_traj)):
-            raise RuntimeError("gathered rewards do not cover the epoch's trajectories exactly once")
-        rewards = {k: np.array([r[1][k] for r in gathered]) for k in cfg.rewards}
-        group_ids = [chosen[i // cfg.group_size] for i in range(n_traj)]
-        agg, adv, agg_info = aggregate(rewards, cfg.rewards, group_ids, method=cfg.aggregation.method,
-                                       delta=cfg.aggregation.delta, global_std=t.global_std)
-        adv_clipped = np.clip(adv, -t.adv_clip_max, t.adv_clip_max)
-        raw_total = weighted_sum(rewards, cfg.rewards)
-        timings["reward"] += time.perf_counter() - tr0
-
-        # ---- policy update
+        roll = rollout(run, epoch)
+        tr = time.perf_counter()
+        rewards = reward(run, roll)
+        adv = advantages(run, rewards, roll.chosen)
         tt = time.perf_counter()
-        by_index = {tj.index: tj for tj in trajs}
-        n_sde = len(cfg.sample.sde_indices)
-        stats = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0, "n": 0.0}
-        grad_norms = []
-        for step_no, mb in enumerate(minibatches(n_traj, t.gradient_steps_per_epoch, cfg.seed, epoch)):
-            denom = float(len(mb) * n_sde)
-            local_idx = [int(i) for i in mb if int(i) in by_index]
-            shapes: dict[tuple[int, int], list[int]] = {}
-            for i in local_idx:
-                shapes.setdefault((by_index[i].height, by_index[i].width), []).append(i)
-            optimizer.zero_grad(set_to_none=True)
-            for (h, w), idx in sorted(shapes.items()):
-                for c0 in range(0, len(idx), t.batch_size):
-                    chunk = [by_index[i] for i in idx[c0:c0 + t.batch_size]]
-                    emb = PromptEmbeds.cat([c.embeds for c in chunk]).to_device(device)
-                    a = torch.tensor([adv_clipped[c.index] for c in chunk], dtype=torch.float32, device=device)
-                    for j in range(n_sde):
-                        step = chunk[0].sde_indices[j]
-                        x = torch.stack([c.latents[j, 0] for c in chunk]).to(device)
-                        x_next = torch.stack([c.latents[j, 1] for c in chunk]).to(device)
-                        sig, sig_next = chunk[0].sigmas[step], chunk[0].sigmas[step + 1]
-                        ts_ = chunk[0].timesteps[step]
-                        args = (x, x_next, sig, sig_next, ts_, emb, h, w, cfg.sample.noise_level, cfg.sample.sigma_max)
-                        with torch.no_grad():
-                            with policy.using(OLD_ADAPTER):
-                                old_lp, _, _ = policy.transition_log_prob(*args)
-                            with policy.using(None):
-                                _, ref_mean, _ = policy.transition_log_prob(*args)
-                        lp, mean, std = policy.transition_log_prob(*args)
-                        pl, ratio = clipped_surrogate(lp, old_lp, a, t.clip_range)
-                        kl = gaussian_mean_kl(mean, ref_mean, std)
-                        per = pl + t.beta * kl
-                        loss = per.sum() / denom
-                        if not torch.isfinite(loss):
-                            raise FloatingPointError(f"non-finite GRPO loss at epoch {epoch + 1}, step {step_no + 1}")
-                        loss.backward()
-                        with torch.no_grad():
-                            if step_no == 0:
-                                first_update_ratio_dev.append(float((ratio - 1).abs().max()))
-                            stats["loss"] += float(per.sum())
-                            stats["policy_loss"] += float(pl.sum())
-                            stats["kl"] += float(kl.sum())
-                            stats["ratio"] += float(ratio.sum())
-                            stats["clipped"] += float(((ratio - 1).abs() > t.clip_range).float().sum())
-                            stats["n"] += len(chunk)
-            _sum_grads(accelerator, params)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            global_step = epoch * t.gradient_steps_per_epoch + step_no + 1
-            if ema is not None and global_step % t.ema.update_every == 0:
-                ema.update(trained)
-        policy.copy_adapter(TRAINED_ADAPTER, OLD_ADAPTER)
-        timings["train"] += time.perf_counter() - tt
-        if world > 1:
-            sums = _gather(accelerator, [stats])
-            stats = {k: sum(s[k] for s in sums) for k in stats}
-
-        # ---- log
-        groups = np.array(agg).reshape(cfg.prompts_per_epoch, cfg.group_size)
-        row: dict[str, Any] = {
-            "epoch": epoch + 1,
-            "reward": float(raw_total.mean()),
-            "reward_std": float(raw_total.std()),
-            "reward_aggregated": float(np.mean(agg)),
-        }
-        for k, v in rewards.items():
-            row[f"{k}_mean"] = float(v.mean())
-            row[f"{k}_std"] = float(v.std())
-        if "h" in agg_info:
-            for k, hk in agg_info["h"].items():
-                row[f"{k}_h"] = float(hk) if np.isfinite(hk) else None
-            row["tamed"] = "+".join(agg_info["tamed"])
-        n = max(stats["n"], 1.0)
-        row.update({
-            "advantage_abs_mean": float(np.abs(adv_clipped).mean()),
-            "zero_std_group_fraction": float((groups.std(axis=1) < 1e-6).mean()),
-            "clip_fraction": stats["clipped"] / n,
-            "ratio_mean": stats["ratio"] / n,
-            "loss": stats["loss"] / n,
-            "policy_loss": stats["policy_loss"] / n,
-            "kl": stats["kl"] / n,
-            "grad_norm": float(np.mean(grad_norms)),
-            "seconds": round(time.perf_counter() - t_epoch, 3),
-        })
-        history["train"].append(row)
-        per_sample_rewards.append(raw_total.tolist())
-        epochs_this_run += 1
-        if main:
+        stats = update(run, roll, adv.advantages, epoch, state)
+        te = time.perf_counter()
+        state.timings["sample"] += tr - ts
+        state.timings["reward"] += tt - tr
+        state.timings["train"] += te - tt
+        row = epoch_row(run, epoch, rewards, adv, stats)
+        state.history["train"].append(row)
+        state.per_sample_rewards.append(adv.weighted.tolist())
+        state.epoch = epoch + 1
+        state.epochs_this_run += 1
+        if run.main:
             log.info("epoch %d/%d: reward %.4f +- %.4f (%s) | |A| %.3f, clip %.3f, ratio %.5f, kl %.3g, loss %.4g "
-                     "| %.1f s", epoch + 1, cfg.epochs, row["reward"], row["reward_std"],
+                     "| %.1f s", state.epoch, cfg.epochs, row["reward"], row["reward_std"],
                      ", ".join(f"{k} {row[f'{k}_mean']:.4f}" for k in cfg.rewards), row["advantage_abs_mean"],
-                     row["clip_fraction"], row["ratio_mean"], row["kl"], row["loss"], row["seconds"])
-        done = epoch + 1
-        if done == cfg.epochs:
+                     row["clip_fraction"], row["ratio_mean"], row["kl"], row["loss"], time.perf_counter() - t_epoch)
+        if state.epoch == cfg.epochs:
             te = time.perf_counter()
-            run_eval(done)
-            timings["eval"] += time.perf_counter() - te
-        ck = save_checkpoint(done) if (done % cfg.save_every == 0 or done == cfg.epochs) else None
+            state.history["eval"].append(evaluate_weights(run, state.epoch))
+            state.timings["eval"] += time.perf_counter() - te
+        ck = save(run, state) if (state.epoch % cfg.save_every == 0 or state.epoch == cfg.epochs) else None
+        state.epoch_seconds.append({"epoch": state.epoch, "seconds": round(time.perf_counter() - t_epoch, 3)})
         if callback is not None:
-            callback(EpochInfo(done, cfg.epochs, row, ck, policy))
+            callback(EpochInfo(state.epoch, cfg.epochs, row, ck, run.policy))
 
-    # ---------------- the LoRA
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
-    if main and lora_dir is not None:
-        weights_ctx = ema.swapped_in(trained) if ema is not None else contextlib.nullcontext()
-        with weights_ctx:
-            save_lora(policy, cfg, lora_dir)
-    if main:
-        ckpt.write_plot_csvs(plots, history)
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
+    _barrier(accelerator)
+    if run.main and lora_dir is not None:
+        with (run.ema.swapped_in(run.trained) if run.ema is not None else contextlib.nullcontext()):
+            save_lora(run.policy, cfg, lora_dir)
+    if run.main:
+        ckpt.write_plot_csvs(run.plots_dir, state.history)
+    _barrier(accelerator)
+    return summarise(run, state, time.perf_counter() - t_start)
 
+
+def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
+    """``{"metrics": ..., "report": ...}`` of a finished run (see :func:`train_grpo`)."""
+    cfg = run.cfg
     window = max(1, min(5, cfg.epochs // 3))
-    signal = learning_signal(history["train"], [np.asarray(r) for r in per_sample_rewards], window)
-    wall = time.perf_counter() - t_start
-    return {
+    signal = learning_signal(state.history["train"], [np.asarray(r) for r in state.per_sample_rewards], window)
+    evals = state.history["eval"]
+    first, final = (evals[0] if evals else {}), (evals[-1] if evals else {})
+    metrics = {
+        "train_reward": {k: signal.get(k) for k in ("first_epochs_reward", "last_epochs_reward", "improvement",
+                                                    "p_value")},
+        "eval_reward": {"first": first.get("reward"), "final": final.get("reward"),
+                        "gain": (final["reward"] - first["reward"]) if first and final else None,
+                        **{f"final_{k}": final.get(f"{k}_mean") for k in cfg.rewards}},
+    }
+    n_lora = sum(p.numel() for p in run.params)
+    report = {
+        "run_identity": {"digest": run.identity.digest, "evaluation": run.identity.evaluation_digest,
+                         **(state.resume.to_report() if state.resume else {}),
+                         "reevaluated_epochs": state.reevaluated},
         "subtask_policy": cfg.policy,
         "epochs": cfg.epochs,
-        "epochs_this_run": epochs_this_run,
-        "resumed_from": resumed_from,
-        "processes": world,
-        "device": device.type,
+        "epochs_this_run": state.epochs_this_run,
+        "processes": run.world,
+        "device": run.device.type,
         "torch_threads_per_process": torch.get_num_threads(),
-        "trajectories_per_epoch": n_traj,
-        "transitions_per_epoch": n_traj * len(cfg.sample.sde_indices),
-        "optimizer_steps": cfg.epochs * t.gradient_steps_per_epoch,
+        "trajectories_per_epoch": run.n_traj,
+        "transitions_per_epoch": run.n_traj * len(cfg.sample.sde_indices),
+        "optimizer_steps": cfg.epochs * cfg.train.gradient_steps_per_epoch,
         "lora_parameters": n_lora,
         "train_resolution": cfg.train.resolution,
         "eval_resolution": cfg.eval.resolution,
-        "train_prompts": len(train_ids),
-        "eval_prompts": len(eval_prompts),
-        "first_update_ratio_max_abs_deviation": max(first_update_ratio_dev) if first_update_ratio_dev else None,
+        "train_prompts": len(run.train_ids),
+        "eval_prompts": len(run.eval_prompts),
+        "first_update_ratio_max_abs_deviation": (max(state.first_update_ratio_dev)
+                                                 if state.first_update_ratio_dev else None),
         "learning_signal": signal,
-        "train_final": history["train"][-1] if history["train"] else {},
-        "eval_first": history["eval"][0] if history["eval"] else {},
-        "eval_final": history["eval"][-1] if history["eval"] else {},
-        "seconds": {k: round(v, 2) for k, v in timings.items()},
-        "seconds_per_epoch": round(sum(timings.values()) / epochs_this_run, 3) if epochs_this_run else None,
+        "train_final": state.history["train"][-1] if state.history["train"] else {},
+        "eval_first": first,
+        "eval_final": final,
+        "seconds": {k: round(v, 2) for k, v in state.timings.items()},
+        "seconds_per_epoch": (round(sum(state.timings[k] for k in ("sample", "reward", "train")) /
+                                    state.epochs_this_run, 3) if state.epochs_this_run else None),
+        "epoch_seconds": state.epoch_seconds,
         "wall_seconds_train_grpo": round(wall, 2),
     }
+    return {"metrics": metrics, "report": report}
 
 
 def save_lora(policy: FluxPolicy, cfg: GrpoSubtaskParams, lora_dir: str | os.PathLike[str]) -> None:
-    """Write the trained adapter's current weights as a diffusers FLUX LoRA (atomically)."""
+    """Write the trained adapter's current weights as a diffusers FLUX LoRA (atomically, with
+    deterministic bytes: :func:`paco.checkpoints.canonicalise_safetensors`)."""
     from diffusers import FluxPipeline
 
     target = Path(lora_dir)
@@ -759,6 +1033,8 @@ def save_lora(policy: FluxPolicy, cfg: GrpoSubtaskParams, lora_dir: str | os.Pat
     meta = {"r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "target_modules": list(cfg.lora.target_modules)}
     FluxPipeline.save_lora_weights(str(tmp), transformer_lora_layers=policy.lora_state_dict(TRAINED_ADAPTER),
                                    transformer_lora_adapter_metadata=meta)
+    for f in tmp.glob("*.safetensors"):
+        ckpt.canonicalise_safetensors(f)
     write_json(tmp / "lora_config.json", {**meta, "lora_dropout": cfg.lora.dropout, "base_policy": cfg.policy})
     for f in tmp.iterdir():
         f.chmod(0o644)

@@ -66,17 +66,19 @@ Checkpoints
 
 Every ``checkpoint_every`` optimizer steps and at each epoch end, ``accelerator.save_state``
 writes ``<checkpoints>/step-NNNNNNN/`` (LoRA weights only via a save hook, optimizer,
-scheduler, RNG states of every process) plus ``trainer_state.json`` (fingerprint, epoch,
+scheduler, RNG states of every process) plus ``trainer_state.json`` (run identity, epoch,
 steps done in that epoch, global step, the logged history). It is written to a hidden temp
-directory and renamed, and only the last two are kept. At start the newest checkpoint is
-resumed if its :func:`fingerprint` (training params except ``checkpoint_every``, process count,
-the sft rows' content, the base model's files) matches; otherwise the checkpoints are removed
-and training starts fresh, with the reason logged.
+directory and renamed, and only the last two are kept. At start the newest readable checkpoint
+is resumed if it was written under the same run identity (:mod:`paco.run_identity`: the sft
+table, the base model, every code file the stage runs, the ``reward_train`` params except
+``checkpoint_every``, the process count and device type; ``epochs`` is part of it, since the
+learning-rate schedule spans all epochs); otherwise the checkpoints are removed and training
+starts fresh, with the reason logged and reported.
 
 Metrics and plots
 =================
 
-``<plots>/train.csv`` (step, epoch, loss, first_token_accuracy, lr, grad_norm, pairs, seconds)
+``<plots>/train.csv`` (step, epoch, loss, first_token_accuracy, lr, grad_norm, pairs)
 and ``<plots>/eval.csv`` (epoch, step, loss, first_token_accuracy, p_yes_accuracy, mean
 P(Yes) on Yes / No pairs, pairs), rewritten at every checkpoint and at the end from the history
 kept in the checkpoints, so a resumed run still has complete plots. dvclive is not used: its
@@ -88,8 +90,6 @@ both engines (DVC and Snakemake) declare.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import os
@@ -107,11 +107,11 @@ import torch
 from PIL import Image
 
 from paco import checkpoints as ckpt
-from paco.checkpoints import model_digest as base_model_digest
 from paco.io import ArtifactError, decode_image, read_parquet, write_json
 from paco.judge import AnswerTokens, check_answer_tokens, encode_sft, p_yes_from_logits
 from paco.losses import IGNORE_INDEX, answer_positions, first_token_weighted_loss
 from paco.params import LoraParams, PairAugmentParams, RewardTrainParams
+from paco.run_identity import RunIdentity
 from paco.stage import cpu_threads_per_process
 
 log = logging.getLogger("paco.reward_train")
@@ -184,19 +184,6 @@ def subsample(rows: Sequence[SftRow], max_rows: int | None, seed: int) -> list[S
         return list(rows)
     keep = np.sort(np.random.default_rng(seed).permutation(len(rows))[:max_rows])
     return [rows[i] for i in keep]
-
-
-def rows_digest(rows: Sequence[SftRow]) -> str:
-    """sha256 over every field of ``rows`` (in order)."""
-    h = hashlib.sha256()
-    for r in rows:
-        for part in (r.pair_id, r.instruction, r.response, "1" if r.label else "0"):
-            b = part.encode()
-            h.update(len(b).to_bytes(8, "little") + b)
-        for img in (r.image_a, r.image_b):
-            h.update(len(img).to_bytes(8, "little"))
-            h.update(img)
-    return h.hexdigest()
 
 
 def augment_pair(image_a: Image.Image, image_b: Image.Image, aug: PairAugmentParams,
@@ -384,40 +371,6 @@ def distributed_loss_scale(variant: str, n_local: float, n_global: float, num_pr
 
 
 # --------------------------------------------------------------------------------------------
-# fingerprint
-# --------------------------------------------------------------------------------------------
-
-
-def fingerprint_parts(cfg: RewardTrainParams, *, data_digest: str, base_digest: str,
-                      num_processes: int) -> dict[str, str]:
-    """What a resumable checkpoint must match, by component: the training params (all but
-    ``checkpoint_every``, which does not change the result), the process count, the sft rows
-    (train and test) and the base model."""
-    params = json.dumps(cfg.model_dump(mode="json", exclude={"checkpoint_every"}), sort_keys=True)
-    return {
-        "params": hashlib.sha256(params.encode()).hexdigest(),
-        "num_processes": str(int(num_processes)),
-        "data": data_digest,
-        "base": base_digest,
-    }
-
-
-def fingerprint(parts: dict[str, str]) -> str:
-    """sha256 of :func:`fingerprint_parts`."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
-# --------------------------------------------------------------------------------------------
-# checkpoints
-# --------------------------------------------------------------------------------------------
-
-
-def list_checkpoints(checkpoints_dir: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoints (``step-N`` directories holding ``trainer_state.json``), oldest first."""
-    return ckpt.list_checkpoints(checkpoints_dir, CHECKPOINT_PREFIX)
-
-
-# --------------------------------------------------------------------------------------------
 # threads and the accelerator
 # --------------------------------------------------------------------------------------------
 
@@ -560,6 +513,7 @@ def train_reward(
     sft: str | os.PathLike[str] | pd.DataFrame,
     base_dir: str | os.PathLike[str],
     *,
+    identity: RunIdentity,
     adapter_dir: str | os.PathLike[str] | None,
     checkpoints_dir: str | os.PathLike[str],
     plots_dir: str | os.PathLike[str] | None = None,
@@ -575,6 +529,8 @@ def train_reward(
         sft: ``sft.parquet`` path (or its DataFrame); trains on ``split == "train"`` and
             evaluates on ``split == "test"``, rows with ``status == "ok"`` only.
         base_dir: the base judge directory (``models`` stage ``judge_base``).
+        identity: the stage's run identity (:func:`paco.run_identity.stage_identity`); the
+            process count and device type are added here.
         adapter_dir: where the PEFT adapter (``adapter_config.json``,
             ``adapter_model.safetensors``) is written by the main process, via a temp dir and a
             rename; ``None``: not saved.
@@ -589,7 +545,9 @@ def train_reward(
         log_every: log a progress line every this many optimizer steps.
 
     Returns:
-        The metrics dict (the same on every process; only the main process writes files).
+        ``{"metrics": headline figures (final held-out accuracy and loss), "report": details
+        (history, sizes, timings, the resume decision)}``, the same on every process; only the
+        main process writes files.
 
     Raises:
         ArtifactError: a bad sft table. ValueError: fewer training rows than one optimizer
@@ -660,15 +618,24 @@ def train_reward(
                accelerator.register_load_state_pre_hook(hooks.load)]
 
     # ---------------- resume or start fresh
-    parts = fingerprint_parts(cfg, data_digest=rows_digest(train_all) + ":" + rows_digest(test_rows),
-                              base_digest=base_model_digest(base_dir), num_processes=world)
-    fp = fingerprint(parts)
+    identity = identity.extended(num_processes=world, device=accelerator.device.type)
     ckdir = Path(checkpoints_dir)
     history: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
     epoch, step_in_epoch, global_step, resumed_from = 0, 0, 0, None
-    found = ckpt.resumable(ckdir, CHECKPOINT_PREFIX, fp, parts, main=main, log=log)
-    if found is not None:
-        latest, state = found
+    found = None
+    if main:  # decided once, by the main process
+        found = ckpt.find_resumable(ckdir, CHECKPOINT_PREFIX, identity, main=True, log=log,
+                                    required_files=[f"random_states_{r}.pkl" for r in range(world)])
+        if found.path is None:
+            log.info("starting fresh: %s", found.reason)
+    if world > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [found]
+        broadcast_object_list(box, from_process=0)
+        found = box[0]
+    if found.path is not None:
+        latest, state = found.path, found.state
         accelerator.load_state(str(latest))
         history = state["history"]
         epoch, step_in_epoch, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
@@ -690,7 +657,7 @@ def train_reward(
         accelerator.wait_for_everyone()
         if main:
             write_json(tmp / STATE_FILE, {
-                "fingerprint": fp, "fingerprint_parts": parts, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                **identity.to_state(), "epoch": epoch, "step_in_epoch": step_in_epoch,
                 "steps_per_epoch": steps_per_epoch, "global_step": global_step, "history": history,
             })
             ckpt.replace_dir(tmp, ckdir / name)
@@ -756,7 +723,7 @@ def train_reward(
                 "step": global_step, "epoch": epoch + 1, "loss": float(stats[0]) / world,
                 "first_token_accuracy": float(stats[1]) / global_batch, "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                "pairs": global_step * global_batch, "seconds": round(time.perf_counter() - t_start, 3),
+                "pairs": global_step * global_batch,
             }
             history["train"].append(row)
             train_seconds += time.perf_counter() - t_step
@@ -785,6 +752,7 @@ def train_reward(
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True,
                                   save_embedding_layers=False)
+        ckpt.canonicalise_adapter_dir(tmp)
         for f in tmp.iterdir():  # safetensors creates its file 0600; keep the usual permissions
             f.chmod(0o644)
         ckpt.replace_dir(tmp, target)
@@ -796,12 +764,18 @@ def train_reward(
         h.remove()
 
     last_epoch = [r["loss"] for r in history["train"] if r["epoch"] == cfg.epochs]
-    return {
+    final = history["eval"][-1] if history["eval"] else {}
+    metrics = {
+        "eval_final": {k: final.get(k) for k in ("p_yes_accuracy", "first_token_accuracy", "loss")},
+        "train_loss_last_epoch_mean": float(np.mean(last_epoch)) if last_epoch else None,
+    }
+    report = {
+        "run_identity": {"digest": identity.digest, **found.to_report()},
         "train_pairs": len(train_rows),
         "train_pairs_available": len(train_all),
         "test_pairs": len(test_rows),
         "parameters": counts,
-        "lora_target_modules": unwrapped.peft_config["default"].target_modules,
+        "lora_target_modules": sorted(unwrapped.peft_config["default"].target_modules),
         "processes": world,
         "torch_threads_per_process": threads,
         "device": accelerator.device.type,
@@ -812,13 +786,14 @@ def train_reward(
         "warmup_steps": warmup_steps,
         "dropped_pairs_per_epoch": len(train_rows) - steps_per_epoch * global_batch,
         "train_loss_final": history["train"][-1]["loss"] if history["train"] else None,
-        "train_loss_last_epoch_mean": float(np.mean(last_epoch)) if last_epoch else None,
         "eval": history["eval"],
-        "eval_final": history["eval"][-1] if history["eval"] else {},
+        "eval_final": final,
         "resumed_from": resumed_from,
         "steps_this_run": steps_this_run,
         # training steps only (eval and checkpoints excluded); wall-clock, so machine-dependent
         "seconds_per_step": round(train_seconds / steps_this_run, 4) if steps_this_run else None,
         "train_pairs_per_second": round(steps_this_run * global_batch / train_seconds, 2) if steps_this_run else None,
         "loop_seconds": round(loop_seconds, 2),
+        "wall_seconds_train_reward": round(time.perf_counter() - t_start, 2),
     }
+    return {"metrics": metrics, "report": report}

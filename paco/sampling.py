@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 from PIL import Image, ImageDraw
 
-from paco.composites import stable_seed
+from paco.seeding import stable_seed
 from paco.io import encode_image
 from paco.params import SampleSubtaskParams
 from paco.policy import FluxPolicy, grid_size

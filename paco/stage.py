@@ -1,5 +1,6 @@
 """What every stage CLI shares: argument parsing, params validation, logging, seeding, and the
-run summary (wall time, peak memory) written into the stage's metrics.
+split of what a stage writes into headline ``metrics.json`` and detailed ``report.json`` (wall
+time, peak memory, timings), and one clear line instead of a traceback for expected failures.
 
 A stage module (``stages/<name>.py``) only parses arguments, loads params, reads its declared
 inputs, calls the library and writes its outputs (DESIGN.md §1). Paths always arrive on the
@@ -9,6 +10,7 @@ command line from the stage registry (``workflow/registry.py``); nothing is hard
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import random
@@ -16,6 +18,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,22 +74,50 @@ def peak_rss_mb() -> float:
     return max(own, children) / 1024.0
 
 
+@dataclass
+class StageOutput:
+    """What a stage body returns: ``metrics`` (the stage's declared ``metrics.json``: the headline
+    figures a user compares across runs with ``dvc metrics diff`` / ``dvc exp show``;
+    deterministic, so a cached run equals a fresh one) and ``report`` (the undeclared
+    ``report.json`` beside it: timings, memory, resume decisions, per-item details)."""
+
+    metrics: dict[str, Any]
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def headline(cls, report: dict[str, Any], *keys: str) -> StageOutput:
+        """``report`` whole in the report, its ``keys`` (top level) also as the metrics."""
+        return cls({k: report[k] for k in keys if k in report}, report)
+
+
+#: errno values of OSErrors that are the user's environment, not a bug: one clear line, exit 2
+_USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT}
+
+
+def report_path(metrics_path: str | os.PathLike[str]) -> Path:
+    """``report.json`` beside a stage's ``metrics.json``."""
+    return Path(metrics_path).with_name("report.json")
+
+
 def run(
     name: str,
     argv: Sequence[str] | None,
     build_parser: Callable[[argparse.ArgumentParser], None],
-    body: Callable[[argparse.Namespace, Params], dict[str, Any]],
+    body: Callable[[argparse.Namespace, Params], StageOutput | dict[str, Any]],
     *,
     description: str,
     metrics_arg: str = "metrics",
 ) -> int:
-    """Run a stage: parse ``argv``, validate params, call ``body``, write metrics.
+    """Run a stage: parse ``argv``, validate params, call ``body``, write metrics and report.
 
-    ``body(args, params)`` does the work and returns the stage's metrics dict; this adds
-    ``run.wall_seconds`` and ``run.peak_rss_mb`` and writes it atomically to ``--metrics``.
+    ``body(args, params)`` does the work and returns a :class:`StageOutput` (a plain dict is
+    taken as the metrics); this writes ``metrics`` atomically to ``--metrics`` and ``report``
+    plus ``run.wall_seconds`` and ``run.peak_rss_mb`` to ``report.json`` beside it (a body sets
+    ``args.<metrics_arg> = None`` on non-main processes: nothing is written).
 
-    Returns the process exit code: 0 on success, 2 for invalid params or a bad input artifact
-    (the message is logged, no traceback), and re-raises anything else.
+    Returns the process exit code: 0 on success, 2 for invalid params, a bad input artifact or
+    an environment failure (full disk, no permission: ``OSError`` naming its file) -- one logged
+    line, no traceback; anything else is re-raised.
     """
     p = parser(name, description)
     build_parser(p)
@@ -100,17 +131,23 @@ def run(
     try:
         params = load_params(args.params)
         log.info("stage %s: params %s validated", name, args.params)
-        metrics = body(args, params)
+        out = body(args, params)
+        if not isinstance(out, StageOutput):
+            out = StageOutput(dict(out))
+        report = dict(out.report)
+        report["run"] = {"wall_seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": round(peak_rss_mb(), 1)}
+        path = getattr(args, metrics_arg, None)
+        if path is not None:
+            write_json(path, out.metrics)
+            write_json(report_path(path), report)
     except (ParamsError, ArtifactError) as exc:
         log.error("stage %s failed: %s", name, exc)
         return 2
-    metrics = dict(metrics)
-    metrics["run"] = {
-        "wall_seconds": round(time.perf_counter() - t0, 3),
-        "peak_rss_mb": round(peak_rss_mb(), 1),
-    }
-    out = getattr(args, metrics_arg, None)
-    if out is not None:
-        write_json(out, metrics)
-    log.info("stage %s done in %.1f s (peak RSS %.0f MiB)", name, *metrics["run"].values())
+    except OSError as exc:
+        if exc.errno not in _USER_OS_ERRORS:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        log.error("stage %s failed: %s%s", name, exc.strerror or exc, where)
+        return 2
+    log.info("stage %s done in %.1f s (peak RSS %.0f MiB)", name, *report["run"].values())
     return 0

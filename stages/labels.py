@@ -3,7 +3,9 @@
 A teacher (``labels.teacher.backend``: ``template`` offline measurements, ``openai`` any
 OpenAI-compatible endpoint, ``local`` a transformers VLM) justifies each pair's known label in
 1-3 numbered reasons; targets are ``Yes. <reason>...</reason>`` / ``No. ...`` (or bare
-``Yes.``/``No.`` with ``fast``). Resumable: finished chunks persist in ``--progress``.
+``Yes.``/``No.`` with ``fast``). Resumable: finished chunks persist in ``--progress``; a corrupt
+chunk is discarded with a warning naming it, labelled again and listed in the metrics
+(``discarded_chunks``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from tqdm import tqdm
 from paco import labels as L
 from paco.io import read_parquet, write_parquet
 from paco.params import Params
-from paco.stage import log, run, seed_everything
+from paco.stage import StageOutput, log, run, seed_everything
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +31,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
 
-def _body(args: argparse.Namespace, params: Params) -> dict:
+def _body(args: argparse.Namespace, params: Params) -> StageOutput:
+    from paco.run_identity import stage_identity
     from paco.teacher import make_teacher
 
     cfg = params.labels
@@ -38,11 +41,13 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     pairs = read_parquet(args.pairs, required=["pair_id", "instance_id", "prompt_id", "split", "panel_a", "panel_b", "label"])
     panels = read_parquet(args.panels, required=["panel_id", "image"])
     prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
-    fp = L.fingerprint({"labels": cfg.model_dump()}, args.pairs, args.panels, args.prompts)
-    resumed = L.prepare_progress(args.progress, fp)
-    if resumed:
-        log.info("resuming: %d chunks already labelled (fingerprint %s)", resumed, fp)
+    identity = stage_identity("labels", args.params, params=params, args=args)
+    resumed = L.prepare_progress(args.progress, identity.digest)
     table = L.join_pairs(pairs, panels, prompts, instruction=cfg.instruction)
+    discarded = L.discard_invalid_chunks(table, args.progress, chunk_size=cfg.chunk_size)
+    resumed -= len(discarded)
+    if resumed:
+        log.info("resuming: %d chunks already labelled (run identity %s)", resumed, identity.digest[:12])
     sft = L.label_pairs(
         table, teacher, args.progress, chunk_size=cfg.chunk_size,
         progress=lambda it: tqdm(it, desc="labels", unit="chunk"),
@@ -50,8 +55,10 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     write_parquet(args.out, sft, image_columns=["image_a", "image_b"])
     metrics = L.summarise(sft)
     metrics["resumed_chunks"] = resumed
+    metrics["discarded_chunks"] = discarded  # corrupt persisted chunks, labelled again
     log.info("labelled %d pairs: %d ok, %d failed", metrics["pairs"], metrics["ok"], metrics["failed"])
-    return metrics
+    # resumed/discarded chunks differ between a resumed and a fresh run: report only
+    return StageOutput({k: metrics[k] for k in ("ok", "failed")}, metrics)
 
 
 def main(argv: list[str] | None = None) -> int:

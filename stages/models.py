@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from paco.params import Params
-from paco.stage import log, run
+from paco.stage import StageOutput, log, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _body(args: argparse.Namespace, params: Params) -> dict:
+def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     from paco.models.fetch import materialise
 
     cfg = params.models
@@ -41,7 +41,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
             allow_patterns=cfg.allow_patterns.get(role),
         )
         roles[role] = {"source": spec, "megabytes": round(_dir_bytes(path) / 2**20, 3)}
-    return {"roles": roles}
+    return StageOutput.headline({"roles": roles})
 
 
 def main(argv: list[str] | None = None) -> int:

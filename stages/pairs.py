@@ -17,7 +17,7 @@ import numpy as np
 from paco import pairs as P
 from paco.io import ArtifactError, decode_image, read_parquet, write_parquet
 from paco.params import Params
-from paco.stage import log, run
+from paco.stage import StageOutput, log, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def _ranker(cfg, args: argparse.Namespace, panels) -> P.Ranker:
     return P.similarity_ranker(dict(zip(panels["panel_id"], emb, strict=True)))
 
 
-def _body(args: argparse.Namespace, params: Params) -> dict:
+def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     cfg = params.pairs
     panels = read_parquet(args.panels, required=["panel_id", "prompt_id", "seed", "index", "image"])
     prompts = read_parquet(args.prompts, required=["prompt_id", "split"])
@@ -62,7 +62,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     write_parquet(args.pairs, pairs)
     log.info("wrote %d instances and %d pairs", len(ranked), len(pairs))
     per_prompt = ranked.groupby("prompt_id").size()
-    return {
+    return StageOutput.headline({
         "ranking": cfg.ranking,
         "instances": len(ranked),
         "unannotated_instances": unannotated,
@@ -73,7 +73,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
             for split, g in ranked.groupby("split")
         },
         "yes_fraction": float(pairs["label"].mean()),
-    }
+    }, "instances", "pairs")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from paco import evaluation as E
 from paco.io import ArtifactError, read_parquet, write_parquet
 from paco.params import Params
-from paco.stage import log, run, seed_everything
+from paco.stage import StageOutput, log, run, seed_everything
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +95,17 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     for name, m in metrics["judges"].items():
         log.info("%-15s accuracy %.3f  tau %.3f  top1-bottom1 %.3f  (p vs chance %.2g)", name, m["accuracy"],
                  m["kendall_tau"], m["top1_bottom1"], m["accuracy_vs_chance"].get("p_value", float("nan")))
-    return metrics
+    # metrics.json: the ConsistencyRank figures of paper Table 2 per judge, and the trained judge's
+    # accuracy gain over each baseline with its p-value; everything else in report.json
+    headline = {
+        "judges": {name: {k: m.get(k) for k in ("accuracy", "kendall_tau", "spearman_rho", "top1_bottom1")}
+                   for name, m in metrics["judges"].items()},
+        "paco_reward_vs": {name: {"accuracy_gain": c.get("mean"), "p_value": c.get("p_value")}
+                           for name, c in metrics["paco_reward_vs"].items()},
+    }
+    if "editreward" in metrics:
+        headline["editreward"] = metrics["editreward"]
+    return StageOutput(headline, metrics)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from paco.io import ArtifactError, decode_image, read_parquet
 from paco.params import Params
-from paco.stage import log, run
+from paco.stage import StageOutput, log, run
 
 #: max |P(Yes) difference| between unmerged, merged and reloaded models (float32: only
 #: summation-order rounding of W + BA; bf16: rounding of the merged weights to 8 mantissa bits)
@@ -33,7 +33,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
 
-def _body(args: argparse.Namespace, params: Params) -> dict:
+def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     import torch
     from peft import PeftModel
 
@@ -76,14 +76,14 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
         tmp.rename(args.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {
+    return StageOutput.headline({
         "check_pairs": len(triples),
         "tolerance": atol,
         "max_abs_diff": diffs,
         "p_yes_unmerged": unmerged,
         "dtype": cfg.dtype,
         "parameters": sum(p.numel() for p in merged_model.parameters()),
-    }
+    })
 
 
 def main(argv: list[str] | None = None) -> int:

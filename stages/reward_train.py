@@ -24,7 +24,7 @@ from pathlib import Path
 
 from paco.params import Params
 from paco.reward_train import make_accelerator, train_reward
-from paco.stage import log, run
+from paco.stage import StageOutput, log, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -36,30 +36,34 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
 
-def _body(args: argparse.Namespace, params: Params) -> dict:
+def _body(args: argparse.Namespace, params: Params) -> StageOutput:
+    from paco.run_identity import stage_identity_on_main
+
     cfg = params.reward_train
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file lines on every checkpoint
     accelerator = make_accelerator(cfg)
-    metrics = train_reward(
+    out = train_reward(
         cfg,
         args.sft,
         args.base,
+        identity=stage_identity_on_main("reward_train", args, params, accelerator),
         adapter_dir=args.adapter,
         checkpoints_dir=args.checkpoints,
         plots_dir=args.plots,
         accelerator=accelerator,
     )
+    report = out["report"]
     if not accelerator.is_main_process:
         # paco.stage.run writes --metrics after the body returns: only rank 0 may write it
         args.metrics = None
     else:
-        final = metrics.get("eval_final", {})
+        final = report.get("eval_final", {})
         log.info(
             "reward_train: %d steps, final train loss %.4f, test first-token accuracy %s, P(Yes) accuracy %s",
-            metrics["total_steps"], metrics["train_loss_final"] or float("nan"),
+            report["total_steps"], report["train_loss_final"] or float("nan"),
             final.get("first_token_accuracy"), final.get("p_yes_accuracy"),
         )
-    return metrics
+    return StageOutput(out["metrics"], report)
 
 
 def main(argv: list[str] | None = None) -> int:

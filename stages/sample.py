@@ -29,8 +29,8 @@ from pathlib import Path  # noqa: E402
 from paco.checkpoints import replace_dir  # noqa: E402
 from paco.io import ArtifactError, read_parquet, write_parquet  # noqa: E402
 from paco.params import Params  # noqa: E402
-from paco.stage import log, run  # noqa: E402
-from stages.grpo import (  # noqa: E402
+from paco.stage import StageOutput, log, run  # noqa: E402
+from paco.judge_endpoint import (  # noqa: E402
     judge_endpoint,
     make_accelerator,
     make_reward_context,
@@ -90,7 +90,11 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
                  r.get("paired_t_p_value"))
     metrics.update({"subtask": args.subtask, "resolution": cfg.resolution, "num_steps": cfg.num_steps,
                     "guidance_scale": cfg.guidance_scale})
-    return metrics
+    # metrics.json: per reward the base and LoRA means, their paired difference and its p-value
+    headline = {"rewards": {name: {k: r.get(k) for k in ("base_mean", "lora_mean", "lora_minus_base",
+                                                           "paired_t_p_value")}
+                            for name, r in metrics["rewards"].items()}}
+    return StageOutput(headline, metrics)
 
 
 def main(argv: list[str] | None = None) -> int:

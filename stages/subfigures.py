@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from paco.io import read_parquet, write_parquet
 from paco.params import Params
-from paco.stage import log, run
+from paco.stage import StageOutput, log, run
 from paco.panels import extract_panels
 
 
@@ -28,7 +28,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
 
-def _body(args: argparse.Namespace, params: Params) -> dict:
+def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     cfg = params.subfigures
     composites = read_parquet(args.composites, required=["composite_id", "prompt_id", "seed", "image"])
     prompts = read_parquet(args.prompts, required=["prompt_id", "rows", "cols"])
@@ -44,7 +44,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
         log.warning("skipped composite %s: %s", row["composite_id"], row["reason"])
     write_parquet(args.out, panels, image_columns=["image"])
     log.info("wrote %d panels from %d composites to %s", len(panels), len(composites), args.out)
-    return report
+    return StageOutput.headline(report, "panels", "skipped_composites")
 
 
 def main(argv: list[str] | None = None) -> int:

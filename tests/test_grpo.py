@@ -10,9 +10,29 @@ import pytest
 import torch
 
 from paco import rewards as R
-from paco.grpo import clipped_surrogate, epoch_prompts, gaussian_mean_kl, list_checkpoints, minibatches, train_grpo
+from paco.checkpoints import list_checkpoints
+from paco.grpo import CHECKPOINT_PREFIX, clipped_surrogate, epoch_prompts, gaussian_mean_kl, minibatches, train_grpo
 from paco.judge_client import JudgeError
 from paco.params import GrpoSubtaskParams
+from paco.run_identity import params_identity
+
+
+def _identity(cfg: GrpoSubtaskParams, **sections):
+    """The params part of ``grpo@test``'s run identity (the registry's exclusions)."""
+    return params_identity("grpo@test", {"grpo.test": cfg.model_dump(mode="json"), "judge": sections.get("judge", {}),
+                                         "subfigures": {}})
+
+
+def _train(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir, ctx, **kw) -> dict:
+    """:func:`train_grpo` with the params identity; returns the report with the metrics under
+    ``"metrics"`` and the resume decision flattened (``resumed_from``)."""
+    out = train_grpo(cfg, prompts, policy_dir, ctx, identity=_identity(cfg), **kw)
+    report = out["report"]
+    return {**report, "metrics": out["metrics"], "resumed_from": report["run_identity"]["resumed_from"]}
+
+
+def _checkpoints(path) -> list:
+    return list_checkpoints(path, CHECKPOINT_PREFIX)
 
 
 @R.register("test_red_minus_blue")
@@ -124,7 +144,7 @@ def test_group_initial_noise_is_shared_only_when_asked(tiny_model_dirs, same):
 def red_run(tiny_model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
     cfg = _cfg(epochs=8, group_size=8, save_every=4, train=dict(learning_rate=0.03))
-    metrics = train_grpo(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=out / "lora",
+    metrics = _train(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=out / "lora",
                          checkpoints_dir=out / "ck", plots_dir=out / "plots")
     return cfg, metrics, out
 
@@ -183,13 +203,13 @@ def test_resume_equals_uninterrupted(tiny_model_dirs, tmp_path):
         if info.epoch == 2:
             raise Stop
 
-    full = train_grpo(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
+    full = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
                       checkpoints_dir=tmp_path / "cka")
     with pytest.raises(Stop):
-        train_grpo(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
+        _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
                    checkpoints_dir=tmp_path / "ckb", callback=stop_after_2)
-    assert [p.name for p in list_checkpoints(tmp_path / "ckb")] == ["epoch-0002"]
-    resumed = train_grpo(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
+    assert [p.name for p in _checkpoints(tmp_path / "ckb")] == ["epoch-0002"]
+    resumed = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
                          checkpoints_dir=tmp_path / "ckb")
     assert resumed["resumed_from"] == "epoch-0002" and resumed["epochs_this_run"] == 2
     a = load_file(str(tmp_path / "a" / "pytorch_lora_weights.safetensors"))
@@ -199,22 +219,22 @@ def test_resume_equals_uninterrupted(tiny_model_dirs, tmp_path):
         assert torch.equal(a[k], b[k]), k
     assert full["learning_signal"] == resumed["learning_signal"]
     # a changed param invalidates the checkpoints: a fresh start, not a wrong resume
-    other = train_grpo(_cfg(epochs=4, save_every=2, train=dict(learning_rate=0.005)), prompts,
+    other = _train(_cfg(epochs=4, save_every=2, train=dict(learning_rate=0.005)), prompts,
                        tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=None, checkpoints_dir=tmp_path / "ckb")
     assert other["resumed_from"] is None and other["epochs_this_run"] == 4
     # raising `epochs` continues a finished run (the same LoRA as the uninterrupted 4 epochs) ...
-    train_grpo(_cfg(epochs=2, save_every=2), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+    _train(_cfg(epochs=2, save_every=2), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
                lora_dir=tmp_path / "c2", checkpoints_dir=tmp_path / "ckc")
-    longer = train_grpo(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "c",
+    longer = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "c",
                         checkpoints_dir=tmp_path / "ckc")
     assert longer["resumed_from"] == "epoch-0002" and longer["epochs_this_run"] == 2
     c = load_file(str(tmp_path / "c" / "pytorch_lora_weights.safetensors"))
     assert all(torch.equal(a[k], c[k]) for k in a)
     # ... and lowering it does not resume from past the new end
-    again = train_grpo(_cfg(epochs=2, save_every=2), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+    again = _train(_cfg(epochs=2, save_every=2), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
                        lora_dir=tmp_path / "c2b", checkpoints_dir=tmp_path / "ckc")
     assert again["resumed_from"] is None and again["epochs_this_run"] == 2
-    assert [p.name for p in list_checkpoints(tmp_path / "ckc")] == ["epoch-0002"]
+    assert [p.name for p in _checkpoints(tmp_path / "ckc")] == ["epoch-0002"]
     s2, s2b = (load_file(str(tmp_path / d / "pytorch_lora_weights.safetensors")) for d in ("c2", "c2b"))
     assert all(torch.equal(s2[k], s2b[k]) for k in s2)
 
@@ -222,12 +242,117 @@ def test_resume_equals_uninterrupted(tiny_model_dirs, tmp_path):
 def test_a_failing_judge_stops_training_instead_of_scoring_zero(tiny_model_dirs, tmp_path):
     cfg = _cfg(epochs=1, rewards={"consistency": 1.0})
     with pytest.raises(JudgeError, match="127.0.0.1:9"):
-        train_grpo(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(judge=_FailingJudge()),
+        _train(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(judge=_FailingJudge()),
                    lora_dir=None, checkpoints_dir=tmp_path / "ck")
 
 
 def test_a_nan_reward_is_an_error(tiny_model_dirs, tmp_path):
     cfg = _cfg(epochs=1, rewards={"test_nan": 1.0})
     with pytest.raises(R.RewardError, match="test_nan.*nan"):
-        train_grpo(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=None,
+        _train(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=None,
                    checkpoints_dir=tmp_path / "ck")
+
+
+def test_ema_follows_the_reference_warmup_and_cadence():
+    """``EMAModuleWrapper.step`` of the released code: d_t = min((1 + t) / (10 + t), decay), an
+    update after step t when (t + 1) % every == 0; computed here independently in float64."""
+    from paco.grpo import LoraEMA
+
+    w = {"a": torch.nn.Parameter(torch.tensor([1.0, -2.0]))}
+    ema = LoraEMA(w, 0.9, warmup=True, update_every=3)
+    ref = np.array([1.0, -2.0])
+    updated = []
+    for t in range(1, 13):
+        with torch.no_grad():
+            w["a"].add_(0.5)
+        if (t + 1) % 3 == 0:
+            d = min((1 + t) / (10 + t), 0.9)
+            ref = d * ref + (1 - d) * w["a"].detach().double().numpy()
+        updated.append(ema.step(w, t))
+    assert updated == [(t + 1) % 3 == 0 for t in range(1, 13)]
+    np.testing.assert_allclose(ema.shadow["a"].double().numpy(), ref, rtol=1e-6)
+    assert [LoraEMA(w, 0.9, warmup=True).decay_at(t) for t in (0, 1, 80, 1000)] == [0.1, 2 / 11, 0.9, 0.9]
+    assert LoraEMA(w, 0.9).decay_at(1) == 0.9  # no warm-up: the fixed decay
+
+
+def _bytes(path) -> bytes:
+    return (path / "pytorch_lora_weights.safetensors").read_bytes()
+
+
+def test_an_evaluation_change_reevaluates_the_kept_weights_and_equals_a_fresh_run(tiny_model_dirs, tmp_path):
+    """eval.* (but every) is evaluation-only: the rerun makes no optimizer step, evaluates the
+    kept weights of every evaluation again, and leaves what a fresh run with the new eval params
+    leaves, bit for bit (LoRA bytes, history, metrics)."""
+    prompts = _prompts()
+    cfg = _cfg(epochs=2, save_every=1, eval=dict(every=1))
+    first = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
+                   checkpoints_dir=tmp_path / "ck", plots_dir=tmp_path / "pa")
+    changed = _cfg(epochs=2, save_every=1, eval=dict(every=1, num_steps=2, resolution=48))
+    again = _train(changed, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
+                   checkpoints_dir=tmp_path / "ck", plots_dir=tmp_path / "pa")
+    assert again["epochs_this_run"] == 0 and again["resumed_from"] == "epoch-0002"
+    assert again["run_identity"]["reevaluated_epochs"] == [0, 1, 2]
+    assert again["eval_final"]["reward"] != first["eval_final"]["reward"]
+    fresh = _train(changed, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "f",
+                   checkpoints_dir=tmp_path / "ckf", plots_dir=tmp_path / "pf")
+    assert fresh["resumed_from"] is None and fresh["epochs_this_run"] == 2
+    assert _bytes(tmp_path / "a") == _bytes(tmp_path / "f")
+    for name in ("train.csv", "eval.csv"):
+        assert (tmp_path / "pa" / name).read_bytes() == (tmp_path / "pf" / name).read_bytes(), name
+    assert again["metrics"] == fresh["metrics"]
+    # the checkpoint now records the new evaluation: a third run is a no-op
+    third = _train(changed, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
+                   checkpoints_dir=tmp_path / "ck")
+    assert third["run_identity"]["reevaluated_epochs"] == [] and third["epochs_this_run"] == 0
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tiny_model_dirs, tmp_path):
+    prompts = _prompts()
+    cfg = _cfg(epochs=3, save_every=1)
+    _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
+           checkpoints_dir=tmp_path / "cka")
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_2(info):
+        if info.epoch == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
+               checkpoints_dir=tmp_path / "ckb", callback=stop_after_2)
+    assert [p.name for p in _checkpoints(tmp_path / "ckb")] == ["epoch-0001", "epoch-0002"]
+    (tmp_path / "ckb" / "epoch-0002" / "trainer_state.json").write_text('{"epoch": 2, "hist')  # truncated
+    resumed = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
+                     checkpoints_dir=tmp_path / "ckb")
+    assert resumed["resumed_from"] == "epoch-0001" and resumed["epochs_this_run"] == 2
+    assert resumed["run_identity"]["skipped_corrupt"][0].startswith("epoch-0002")
+    assert _bytes(tmp_path / "a") == _bytes(tmp_path / "b")
+    # a truncated weights file is skipped the same way
+    with pytest.raises(Stop):
+        _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "c",
+               checkpoints_dir=tmp_path / "ckc", callback=stop_after_2)
+    w = tmp_path / "ckc" / "epoch-0002" / "lora.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    resumed = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "c",
+                     checkpoints_dir=tmp_path / "ckc")
+    assert resumed["resumed_from"] == "epoch-0001"
+    assert _bytes(tmp_path / "a") == _bytes(tmp_path / "c")
+
+
+def test_a_continued_run_keeps_only_the_evaluations_of_its_schedule(tiny_model_dirs, tmp_path):
+    """epochs 2 -> 3 with eval.every 2: the 2-epoch run evaluated after epoch 2 (its last), which
+    is also on the 3-epoch schedule {0, 2, 3}; 3 -> 4 drops the evaluation after epoch 3."""
+    prompts = _prompts()
+    common = dict(save_every=1, eval=dict(every=2))
+    _train(_cfg(epochs=3, **common), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+           lora_dir=tmp_path / "a", checkpoints_dir=tmp_path / "ck", plots_dir=tmp_path / "pa")
+    longer = _train(_cfg(epochs=4, **common), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+                    lora_dir=tmp_path / "a", checkpoints_dir=tmp_path / "ck", plots_dir=tmp_path / "pa")
+    assert longer["resumed_from"] == "epoch-0003" and longer["epochs_this_run"] == 1
+    fresh = _train(_cfg(epochs=4, **common), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+                   lora_dir=tmp_path / "f", checkpoints_dir=tmp_path / "ckf", plots_dir=tmp_path / "pf")
+    assert list(pd.read_csv(tmp_path / "pa" / "eval.csv")["epoch"]) == [0, 2, 4]
+    assert (tmp_path / "pa" / "eval.csv").read_bytes() == (tmp_path / "pf" / "eval.csv").read_bytes()
+    assert _bytes(tmp_path / "a") == _bytes(tmp_path / "f") and longer["metrics"] == fresh["metrics"]

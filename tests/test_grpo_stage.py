@@ -100,8 +100,9 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     proc = _run("stages.grpo", common + ["--lora", str(g / "lora"), "--checkpoints", str(g / "ck"),
                                          "--plots", str(g / "plots"), "--metrics", str(g / "metrics.json")])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    m = json.loads((g / "metrics.json").read_text())
+    m = json.loads((g / "report.json").read_text())
     assert m["epochs_this_run"] == 2 and m["judge"]["requests"] > 0
+    assert set(json.loads((g / "metrics.json").read_text())) == {"train_reward", "eval_reward"}
     assert (g / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (g / "ck" / "judge_server.log").is_file() and len(list((g / "ck").glob("epoch-*"))) == 2
     for name in ("train.csv", "eval.csv"):
@@ -138,13 +139,13 @@ def test_two_gloo_processes_give_the_one_process_result(tiny_model_dirs, tmp_pat
         proc = _launch_grpo(n, params, prompts, tiny_model_dirs, d)
         assert proc.returncode == 0, proc.stderr[-4000:]
         out[n] = (load_file(str(d / "lora" / "pytorch_lora_weights.safetensors")),
-                  pd.read_csv(d / "plots" / "train.csv"), json.loads((d / "metrics.json").read_text()))
+                  pd.read_csv(d / "plots" / "train.csv"), json.loads((d / "report.json").read_text()))
     (w1, t1, m1), (w2, t2, m2) = out[1], out[2]
     assert m2["processes"] == 2 and m1["processes"] == 1
     # same samples up to batch-size float effects (row batches of 4 vs 2), so the same rewards
     pd.testing.assert_series_equal(t1["reward"], t2["reward"], rtol=1e-4)
     # the learned updates (weights minus the seeded initial LoRA) agree up to float summation order
-    from paco.composites import stable_seed
+    from paco.seeding import stable_seed
     from paco.models.loading import load_flux_pipeline
     from paco.params import load_params
     from paco.policy import FluxPolicy

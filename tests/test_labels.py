@@ -1,5 +1,7 @@
 """labels: instruction/theme join, resumable chunks, failures kept and counted."""
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -70,7 +72,7 @@ def test_resume_after_interruption_and_failures_are_kept(tmp_path):
     pairs, panels, prompts = tables()
     table = L.join_pairs(pairs, panels, prompts)
     progress = tmp_path / "progress"
-    fp = L.fingerprint({"x": 1}, *[])  # config only
+    fp = "identity-1"
     assert L.prepare_progress(progress, fp) == 0
     with pytest.raises(KeyboardInterrupt):
         L.label_pairs(table, CountingTeacher(interrupt_after=8), progress, chunk_size=4)
@@ -100,7 +102,7 @@ def test_failed_pair_is_recorded_not_relabelled(tmp_path):
     assert L.summarise(sft)["failed"] == 1
 
 
-def test_changed_fingerprint_starts_over(tmp_path):
+def test_another_run_identity_starts_over(tmp_path):
     L.prepare_progress(tmp_path, "old")
     (tmp_path / "chunk-00000.parquet").write_bytes(b"stale")
     assert L.prepare_progress(tmp_path, "old") == 1
@@ -112,3 +114,45 @@ def test_rank_instruction_ignores_the_theme():
     pairs, panels, prompts = tables()
     t = L.join_pairs(pairs, panels, prompts, instruction="rank")
     assert t["instruction"].nunique() == 1 and t["instruction"].iloc[0].startswith("Do the two images")
+
+
+def test_corrupt_progress_chunk_is_discarded_and_redone(tmp_path, caplog):
+    pairs, panels, prompts = tables()
+    table = L.join_pairs(pairs, panels, prompts)
+    L.prepare_progress(tmp_path, "fp")
+    first = L.label_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
+    (tmp_path / "chunk-00001.parquet").write_bytes(b"PAR1 torn write")  # corrupt the middle chunk
+    assert L.prepare_progress(tmp_path, "fp") == 3
+    teacher = CountingTeacher()
+    with caplog.at_level("WARNING", logger="paco"):
+        again = L.label_pairs(table, teacher, tmp_path, chunk_size=4)
+    assert teacher.seen == 4, "only the corrupt chunk is labelled again"
+    assert "chunk-00001.parquet" in caplog.text and "discarding corrupt progress chunk" in caplog.text
+    pd.testing.assert_frame_equal(again, first)
+
+
+def test_chunk_with_other_pairs_or_columns_is_discarded(tmp_path):
+    pairs, panels, prompts = tables()
+    table = L.join_pairs(pairs, panels, prompts)
+    L.prepare_progress(tmp_path, "fp")
+    L.label_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
+    c0, c2 = tmp_path / "chunk-00000.parquet", tmp_path / "chunk-00002.parquet"
+    c0.write_bytes(c2.read_bytes())  # a readable chunk holding another chunk's pairs
+    pd.DataFrame({"pair_id": ["x08", "x09"]}).to_parquet(c2)  # result columns missing
+    found = L.discard_invalid_chunks(table, tmp_path, chunk_size=4)
+    assert [d["chunk"] for d in found] == ["chunk-00000.parquet", "chunk-00002.parquet"]
+    assert "instead of its chunk's" in found[0]["reason"] and "missing column" in found[1]["reason"]
+    assert not c0.exists() and not c2.exists()
+    teacher = CountingTeacher()
+    sft = L.label_pairs(table, teacher, tmp_path, chunk_size=4)
+    assert teacher.seen == 6 and sft["pair_id"].tolist() == table["pair_id"].tolist()
+
+
+def test_corrupt_identity_marker_starts_over(tmp_path, caplog):
+    L.prepare_progress(tmp_path, "fp")
+    (tmp_path / "chunk-00000.parquet").write_bytes(b"x")
+    (tmp_path / "run_identity.json").write_bytes(b'{"identity": "fp"')  # torn write
+    with caplog.at_level("WARNING", logger="paco"):
+        assert L.prepare_progress(tmp_path, "fp") == 0
+    assert "run_identity.json is unreadable" in caplog.text
+    assert json.loads((tmp_path / "run_identity.json").read_text()) == {"identity": "fp"}

@@ -61,6 +61,11 @@ def md5(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
+def report(repo: Path, stage: str) -> dict:
+    """A stage's ``report.json`` (the details beside its headline ``metrics.json``)."""
+    return json.loads((repo / f"data/{stage}/report.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def dvc_repo(tmp_path_factory) -> tuple[Path, str]:
     repo = clone(tmp_path_factory.mktemp("dvc"))
@@ -76,19 +81,19 @@ def test_dvc_repro_runs_every_stage(dvc_repo):
     assert sorted(ran_stages(out)) == sorted(m.dvc_name for s in STAGES for m in s.members(params))
     for table in TABLES:
         assert (repo / table).is_file(), table
-    pairs = json.loads((repo / "data/pairs/metrics.json").read_text())
+    pairs = report(repo, "pairs")
     prompts = pd.read_parquet(repo / "data/prompts/prompts.parquet")
     panels = prompts["rows"] * prompts["cols"]
     # paper §3.1: seeds x panels x (panels - 1) instances per prompt (48 for 4 grids of 2x2)
     assert pairs["instances"] == int((4 * panels * (panels - 1)).sum())
     assert set(pairs["per_split"]) == {"train", "test"}
-    sub = json.loads((repo / "data/subfigures/metrics.json").read_text())
+    sub = report(repo, "subfigures")
     assert sub["bbox_iou"]["mean"] > 0.95
     for name in ("models", "prompts", "composites", "subfigures", "pairs", "labels"):
-        run = json.loads((repo / f"data/{name}/metrics.json").read_text())["run"]
+        run = report(repo, name)["run"]
         assert run["peak_rss_mb"] < 4096, (name, run)
     for name in ("grpo/t2is", "sample/t2is"):
-        run = json.loads((repo / f"data/{name}/metrics.json").read_text())["run"]
+        run = report(repo, name)["run"]
         assert run["peak_rss_mb"] < 6144, (name, run)
 
 
@@ -102,14 +107,14 @@ def test_grpo_learns_and_sample_compares_with_and_without_the_lora(dvc_repo):
     with GRPO seeds 1 / 2 gave +0.002 (n.s.) / +0.013 (p 8e-4), so the margin is a property of
     the deterministic default run, not of every seed."""
     repo, _ = dvc_repo
-    m = json.loads((repo / "data/grpo/t2is/metrics.json").read_text())
+    m = report(repo, "grpo/t2is")
     sig = m["learning_signal"]
     assert m["first_update_ratio_max_abs_deviation"] == 0.0
     assert sig["improvement"] > GRPO_MARGIN and sig["p_value"] < 0.01, sig
     train = pd.read_csv(repo / "data/grpo/t2is/plots/train.csv")
     assert len(train) == m["epochs"] and train["reward"].notna().all()
     assert (repo / "data/grpo/t2is/lora/pytorch_lora_weights.safetensors").is_file()
-    s = json.loads((repo / "data/sample/t2is/metrics.json").read_text())
+    s = report(repo, "sample/t2is")
     assert set(s["rewards"]) == {"consistency", "clip_t", "pickscore"} and s["samples"] == 2 * s["prompts"] * 2
     # the held-out test prompts at the eval resolution (256 px; trained at 128 px): measured
     # consistency 0.648 -> 0.778 / 0.786 with the LoRA, higher on 16 of 16 paired samples
@@ -131,7 +136,7 @@ def test_trained_judge_beats_chance_and_the_base_judge(dvc_repo):
     0.02.
     """
     repo, _ = dvc_repo
-    m = json.loads((repo / "data/reward_eval/metrics.json").read_text())
+    m = report(repo, "reward_eval")
     trained, base = m["judges"]["paco_reward"], m["judges"]["base_zero_shot"]
     vs_base = m["paco_reward_vs"]["base_zero_shot"]
     assert m["instances"] >= 200
@@ -155,6 +160,56 @@ def dvc_repro_noop(dvc_repo):
     return ran_stages(sh([sys.executable, "-m", "dvc", "repro"], repo))
 
 
+#: an evaluation-only change of GRPO: ``dvc repro`` reruns grpo@t2is, which re-evaluates the kept
+#: weights without an optimizer step, and sample@t2is (the LoRA bytes are unchanged)
+EVAL_CHANGE = ("grpo", "t2is", "eval", "num_steps", 6)
+#: what is compared bit for bit: every output under data/ but the undeclared reports, the
+#: persisted checkpoints / progress, and DVC's own files
+SKIP = re.compile(r"(^|/)(report\.json|checkpoints/.*|progress/.*|\.gitignore)$")
+
+
+def _apply_eval_change(repo: Path) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    *path, key, value = EVAL_CHANGE
+    node = params
+    for k in path:
+        node = node[k]
+    assert node[key] != value
+    node[key] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def _artifacts(repo: Path) -> dict[str, str]:
+    files = (p for p in (repo / "data").rglob("*") if p.is_file() and "raw" not in p.relative_to(repo).parts[:2])
+    return {str(p.relative_to(repo)): md5(p) for p in files if not SKIP.search(str(p.relative_to(repo)))}
+
+
+@pytest.fixture(scope="module")
+def changed_repro(dvc_repo, dvc_repro_noop):
+    repo, _ = dvc_repo
+    _apply_eval_change(repo)
+    return ran_stages(sh([sys.executable, "-m", "dvc", "repro"], repo))
+
+
+def test_cached_after_a_change_equals_a_fresh_clone_bit_for_bit(dvc_repo, changed_repro, tmp_path_factory):
+    """The cache's promise: after an upstream change, what ``dvc repro`` leaves equals what a fresh
+    clone computes with the same params, byte for byte -- which also shows that two fresh runs
+    give identical artifacts (every stage upstream of grpo@t2is ran once in each clone)."""
+    repo, _ = dvc_repo
+    assert sorted(changed_repro) == ["grpo@t2is", "params_check", "sample@t2is"]
+    rep = report(repo, "grpo/t2is")
+    assert rep["epochs_this_run"] == 0 and rep["run_identity"]["reevaluated_epochs"] == [0, 8, 16], rep["run_identity"]
+    fresh = clone(tmp_path_factory.mktemp("fresh"))
+    _apply_eval_change(fresh)
+    sh([sys.executable, "-m", "dvc", "repro"], fresh)
+    assert report(fresh, "grpo/t2is")["epochs_this_run"] == 16
+    cached, new = _artifacts(repo), _artifacts(fresh)
+    assert sorted(cached) == sorted(new)
+    assert "data/grpo/t2is/lora/pytorch_lora_weights.safetensors" in cached and "data/grpo/t2is/metrics.json" in cached
+    differ = sorted(k for k in cached if cached[k] != new[k])
+    assert not differ, differ
+
+
 def _set(repo: Path, section: str, key: str, value) -> None:
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params[section][key] = value
@@ -168,15 +223,22 @@ def test_param_change_reruns_only_the_stage_and_descendants(dvc_repo, dvc_repro_
     # once they rerun); grpo and sample cut their grids for the panel rewards the same way
     _set(repo, "subfigures", "method", "equal")
     status = sh([sys.executable, "-m", "dvc", "status", "--json"], repo)
-    assert set(json.loads(status[status.index("{"):])) == {"subfigures", "grpo@t2is", "sample@t2is"}
+    # (params_check reruns on any edit of params.yaml: it validates the whole file)
+    assert set(json.loads(status[status.index("{"):])) == {"params_check", "subfigures", "grpo@t2is", "sample@t2is"}
     (repo / "params.yaml").write_text(original)
     # an evaluation param: only reward_eval reruns, nothing upstream (the value must differ from
     # the committed default, or nothing is out of date)
     committed = yaml.safe_load(original)["reward_eval"]["instruction"]
     changed = "theme" if committed == "rank" else "rank"
     _set(repo, "reward_eval", "instruction", changed)
-    assert ran_stages(sh([sys.executable, "-m", "dvc", "repro"], repo)) == ["reward_eval"]
-    assert json.loads((repo / "data/reward_eval/metrics.json").read_text())["instruction"] == changed
+    assert sorted(ran_stages(sh([sys.executable, "-m", "dvc", "repro"], repo))) == ["params_check", "reward_eval"]
+    assert report(repo, "reward_eval")["instruction"] == changed
+    (repo / "params.yaml").write_text(original)
+    # a misspelled top-level section, which no stage declares: params_check fails the repro
+    (repo / "params.yaml").write_text(original + "\nreward_trian: {epochs: 3}\n")
+    proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "reward_trian: Extra inputs are not permitted" in proc.stdout + proc.stderr
     (repo / "params.yaml").write_text(original)
 
 

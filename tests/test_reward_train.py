@@ -1,6 +1,6 @@
 """reward_train: LoRA on the judge's language model only, learning on synthetic pairs, resume ==
-uninterrupted, 2 CPU processes (gloo) == 1 process, the adapter reloads with PEFT, fingerprint
-mismatch starts fresh, accelerate configs.
+uninterrupted, 2 CPU processes (gloo) == 1 process, the adapter reloads with PEFT, another run
+identity starts fresh, accelerate configs.
 
 Synthetic data (:func:`make_sft_table`): a *Yes* pair is two views (random crop, flip) of one
 random texture with a warm tint; a *No* pair is a warm-tinted texture and another texture with a
@@ -30,6 +30,23 @@ from PIL import Image
 from paco.io import encode_image
 from paco.params import LoraParams, RewardTrainParams
 from paco.templates import format_response, judge_instruction
+
+
+def train_reward(cfg, sft, base, **kw) -> dict:
+    """:func:`paco.reward_train.train_reward` with the params part of ``reward_train``'s run
+    identity; returns the report with the headline metrics under ``"metrics_headline"``."""
+    from paco.reward_train import train_reward as train
+    from paco.run_identity import params_identity
+
+    out = train(cfg, sft, base, identity=params_identity("reward_train", {"reward_train": cfg.model_dump(mode="json")}),
+                **kw)
+    return {**out["report"], "metrics_headline": out["metrics"]}
+
+
+def list_checkpoints(ck):
+    from paco.checkpoints import list_checkpoints as listed
+
+    return listed(ck, "step-")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,7 +201,6 @@ def sft_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def baseline(tiny_model_dirs, sft_path, tmp_path_factory):
     """One uninterrupted run: 96 train pairs, batch 8, 3 epochs = 36 steps."""
-    from paco.reward_train import train_reward
 
     out = tmp_path_factory.mktemp("baseline")
     cfg = _cfg()
@@ -239,7 +255,6 @@ class _Stop(Exception):
 
 
 def test_resume_equals_uninterrupted(baseline, tiny_model_dirs, sft_path, tmp_path):
-    from paco.reward_train import list_checkpoints, train_reward
 
     cfg, ck = baseline["cfg"], tmp_path / "checkpoints"
     runs: list[list] = []
@@ -285,8 +300,7 @@ def test_resume_equals_uninterrupted(baseline, tiny_model_dirs, sft_path, tmp_pa
     assert [e["loss"] for e in m["eval"]] == pytest.approx([e["loss"] for e in baseline["metrics"]["eval"][1:]])
 
 
-def test_fingerprint_mismatch_starts_fresh(baseline, tiny_model_dirs, sft_path, tmp_path, caplog):
-    from paco.reward_train import list_checkpoints, train_reward
+def test_another_run_identity_starts_fresh(baseline, tiny_model_dirs, sft_path, tmp_path, caplog):
 
     ck = tmp_path / "checkpoints"
     shutil.copytree(baseline["out"] / "checkpoints", ck)
@@ -309,12 +323,11 @@ def test_fingerprint_mismatch_starts_fresh(baseline, tiny_model_dirs, sft_path, 
     with caplog.at_level(logging.WARNING, logger="paco.reward_train"), pytest.raises(_Stop):
         train_reward(_cfg(learning_rate=5e-3), sft_path, tiny_model_dirs["judge_base"], callback=cb, **kw)
     assert steps == [1]
-    assert "does not match" in caplog.text and "params" in caplog.text
+    assert "another run identity" in caplog.text and "params:reward_train" in caplog.text
     assert list_checkpoints(ck) == []
 
 
 def test_too_few_pairs_is_an_error(tiny_model_dirs, tmp_path):
-    from paco.reward_train import train_reward
 
     with pytest.raises(ValueError, match="global batch"):
         train_reward(_cfg(batch_size=16), make_sft_table(8, 4), tiny_model_dirs["judge_base"],
@@ -340,7 +353,9 @@ def _launch(tmp: Path, name: str, processes: int, section: dict, sft: Path, base
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PACO_NUM_THREADS")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "metrics.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    return {**report, "resumed_from": report["run_identity"]["resumed_from"],
+            "metrics_headline": json.loads((out / "metrics.json").read_text())}
 
 
 @pytest.mark.slow
@@ -368,7 +383,8 @@ def test_two_cpu_processes_equal_one_process(tiny_model_dirs, tmp_path):
     assert m1["eval_final"]["loss"] == pytest.approx(m2["eval_final"]["loss"], abs=1e-5)
     assert m1["eval_final"]["pairs"] == m2["eval_final"]["pairs"] == 8
     # only rank 0 wrote: one metrics file, one adapter
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["adapter", "checkpoints", "metrics.json", "plots"]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["adapter", "checkpoints", "metrics.json", "plots",
+                                                                        "report.json"]
     # 2-process mid-epoch resume: drop the final checkpoint, relaunch from step 2 of 4
     shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-0000004")
     m3 = _launch(tmp_path, "two", 2, dict(common, batch_size=2, gradient_accumulation_steps=2), sft, base)

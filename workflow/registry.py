@@ -21,10 +21,13 @@ item's ``resources`` block (a plain stage's are ``resources.stages.<name>``).
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -54,12 +57,22 @@ class Stage:
         foreach: the params section whose keys are the members (``None``: a plain stage).
         stage_plots: DVC stage-level plots ``{path: {"x": col, "y": col}}`` (outputs; usable with
             ``${key}`` in foreach stages, unlike the top-level ``plots``).
+        continuable: dotted params keys a persisted run may continue across (``epochs``,
+            ``save_every``): left out of the run identity (:mod:`paco.run_identity`).
+        evaluation: dotted params keys that change only the evaluation: left out of the run
+            identity's training parts; a change re-runs the evaluation on the kept weights.
+        launch: dotted params keys that only say how the stage is launched (``resources``).
+        subprocesses: project modules the stage starts as processes of their own (the local
+            judge server ``paco/serve.py``): their import closure is the stage's code too.
+
+    ``code`` is derived, not declared: :func:`code_closure` of the stage module (``stages/<module>.py``
+    and every project module it imports, transitively), so editing any module a stage runs reruns
+    it in both engines and changes its run identity.
     """
 
     name: str
     args: tuple[tuple[str, str], ...]
     deps: tuple[str, ...] = ()
-    code: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     outs: tuple[str, ...] = ()
     out_dirs: tuple[str, ...] = ()
@@ -70,13 +83,27 @@ class Stage:
     module: str = field(default="")
     foreach: str | None = None
     stage_plots: tuple[dict[str, Any], ...] = ()
+    continuable: tuple[str, ...] = ()
+    evaluation: tuple[str, ...] = ()
+    launch: tuple[str, ...] = ()
+    subprocesses: tuple[str, ...] = ()
+
+    @property
+    def code(self) -> tuple[str, ...]:
+        """Project source files the stage runs (:func:`code_closure` of its module and of its
+        :attr:`subprocesses`), sorted."""
+        entries = (f"stages/{self.module or self.name}.py", *self.subprocesses)
+        return tuple(sorted({f for e in entries for f in code_closure(e)}))
 
     @property
     def cmd(self) -> str:
         module = self.module or self.name
         if self.launcher == "accelerate":
             res = "item.resources" if self.foreach else f"resources.stages.{self.name}"
+            # params are checked before the launch: an invalid file is one clear message and exit
+            # code 2, not a message under torch-elastic's traceback from every process
             launch = (
+                f"python -m paco.params {PARAMS_FILE} && "
                 f"accelerate launch --config_file workflow/accelerate/${{{res}.accelerate_config}}.yaml "
                 f"--num_processes ${{{res}.processes}} -m"
             )
@@ -146,19 +173,95 @@ class Member:
         return out
 
 
+ROOT = Path(__file__).resolve().parents[1]
+#: top-level packages whose modules are the project's code
+PROJECT_PACKAGES = ("paco", "stages")
+#: modules whose imports are not followed: ``paco.params`` validators import the reward
+#: registry lazily, for the reward names only
+NOT_FOLLOWED = ("paco/params.py",)
+
+
+def _module_file(module: str) -> Path | None:
+    path = ROOT / Path(*module.split("."))
+    if path.with_suffix(".py").is_file():
+        return path.with_suffix(".py")
+    return path / "__init__.py" if (path / "__init__.py").is_file() else None
+
+
+def _project_imports(path: Path) -> set[Path]:
+    """Files of the project modules ``path`` imports (module or function level), with the
+    ``__init__.py`` of every package on the way (Python runs them too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] not in PROJECT_PACKAGES:
+                continue
+            for k in range(1, len(parts) + 1):
+                f = _module_file(".".join(parts[:k]))
+                if f is not None:
+                    found.add(f)
+                elif k == len(parts) and (init := _module_file(".".join(parts[:-1]))) is not None:
+                    # a lazily exported name (``_EXPORTS = {name: submodule}`` in the package)
+                    sub = _lazy_exports(init).get(parts[-1])
+                    if sub and (f := _module_file(".".join(parts[:-1] + [sub]))) is not None:
+                        found.add(f)
+    return found
+
+
+@functools.cache
+def _lazy_exports(init: Path) -> dict[str, str]:
+    """The ``_EXPORTS`` literal (name -> submodule) of a package ``__init__.py``, if any."""
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+@functools.cache
+def code_closure(entry: str) -> tuple[str, ...]:
+    """The project source files (relative to the repository root, sorted) that running ``entry``
+    (``stages/<name>.py``) imports, transitively: every ``import`` / ``from ... import`` of a
+    ``paco`` or ``stages`` module at any level of the file (lazy imports included), except the
+    edges out of :data:`NOT_FOLLOWED`.
+
+    Raises:
+        FileNotFoundError: ``entry`` does not exist.
+    """
+    start = ROOT / entry
+    if not start.is_file():
+        raise FileNotFoundError(entry)
+    seen: set[Path] = set()
+    todo = [start]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        if str(f.relative_to(ROOT)) not in NOT_FOLLOWED:
+            todo += _project_imports(f) - seen
+    return tuple(sorted(str(f.relative_to(ROOT)) for f in seen))
+
+
 def _d(stage: str, name: str) -> str:
     return f"data/{stage}/{name}"
 
 
-COMMON_CODE = ("paco/params.py", "paco/io.py", "paco/stage.py")
-#: the judge and what loading and prompting it runs
-JUDGE_CODE = ("paco/judge.py", "paco/losses.py", "paco/templates.py", "paco/models/loading.py")
-
 STAGES: tuple[Stage, ...] = (
+    Stage(
+        name="params_check",
+        args=(("--out", _d("params_check", "params.json")),),
+        deps=(PARAMS_FILE,),
+        outs=(_d("params_check", "params.json"),),
+    ),
     Stage(
         name="models",
         args=(("--out", "data/models"), ("--metrics", _d("models", "metrics.json"))),
-        code=COMMON_CODE + ("stages/models.py", "paco/models", "paco/templates.py"),
         params=("models",),
         out_dirs=tuple(f"data/models/{role}" for role in MODEL_ROLES),
         metrics=(_d("models", "metrics.json"),),
@@ -171,7 +274,6 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("prompts", "metrics.json")),
         ),
         deps=("${prompts.jsonl}",),
-        code=COMMON_CODE + ("stages/prompts.py", "paco/prompts.py", "paco/photos.py"),
         params=("prompts",),
         outs=(_d("prompts", "prompts.parquet"),),
         metrics=(_d("prompts", "metrics.json"),),
@@ -186,7 +288,6 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("composites", "metrics.json")),
         ),
         deps=(_d("prompts", "prompts.parquet"), "data/models/policy_t2is", "${composites.import.dir}"),
-        code=COMMON_CODE + ("stages/composites.py", "paco/composites.py", "paco/photos.py", "paco/models/loading.py"),
         params=("composites",),
         outs=(_d("composites", "composites.parquet"),),
         metrics=(_d("composites", "metrics.json"),),
@@ -200,7 +301,6 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("subfigures", "metrics.json")),
         ),
         deps=(_d("composites", "composites.parquet"), _d("prompts", "prompts.parquet")),
-        code=COMMON_CODE + ("stages/subfigures.py", "paco/subfigures.py", "paco/panels.py"),
         params=("subfigures",),
         outs=(_d("subfigures", "panels.parquet"),),
         metrics=(_d("subfigures", "metrics.json"),),
@@ -222,7 +322,6 @@ STAGES: tuple[Stage, ...] = (
             "data/models/clip",
             "${pairs.annotations}",
         ),
-        code=COMMON_CODE + ("stages/pairs.py", "paco/pairs.py", "paco/clip.py", "paco/models/loading.py"),
         params=("pairs",),
         outs=(_d("pairs", "rank_instances.parquet"), _d("pairs", "pairs.parquet")),
         metrics=(_d("pairs", "metrics.json"),),
@@ -238,8 +337,6 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("labels", "metrics.json")),
         ),
         deps=(_d("pairs", "pairs.parquet"), _d("subfigures", "panels.parquet"), _d("prompts", "prompts.parquet")),
-        code=COMMON_CODE + ("stages/labels.py", "paco/labels.py", "paco/teacher.py", "paco/templates.py", "paco/http.py",
-                             "paco/models/loading.py"),
         params=("labels",),
         outs=(_d("labels", "sft.parquet"),),
         persist=(_d("labels", "progress"),),
@@ -257,10 +354,6 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("reward_train", "metrics.json")),
         ),
         deps=(_d("labels", "sft.parquet"), "data/models/judge_base"),
-        code=COMMON_CODE + (
-            "stages/reward_train.py", "paco/reward_train.py", "paco/checkpoints.py", "paco/losses.py", "paco/judge.py",
-            "paco/models/loading.py", "paco/templates.py",
-        ),
         params=("reward_train",),
         out_dirs=(_d("reward_train", "adapter"), _d("reward_train", "plots")),
         plots=(
@@ -269,6 +362,8 @@ STAGES: tuple[Stage, ...] = (
         ),
         persist=(_d("reward_train", "checkpoints"),),
         metrics=(_d("reward_train", "metrics.json"),),
+        # epochs is not continuable here: the learning-rate schedule spans all epochs
+        continuable=("reward_train.checkpoint_every",),
     ),
     Stage(
         name="reward_merge",
@@ -280,7 +375,6 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("reward_merge", "metrics.json")),
         ),
         deps=("data/models/judge_base", _d("reward_train", "adapter"), _d("labels", "sft.parquet")),
-        code=COMMON_CODE + JUDGE_CODE + ("stages/reward_merge.py",),
         params=("reward_merge",),
         out_dirs=(_d("reward_merge", "model"),),
         metrics=(_d("reward_merge", "metrics.json"),),
@@ -305,19 +399,12 @@ STAGES: tuple[Stage, ...] = (
             _d("subfigures", "panels.parquet"),
             _d("prompts", "prompts.parquet"),
         ),
-        code=COMMON_CODE + JUDGE_CODE + ("stages/reward_eval.py", "paco/evaluation.py", "paco/metrics.py", "paco/clip.py"),
         params=("reward_eval",),
         outs=(_d("reward_eval", "predictions.parquet"),),
         metrics=(_d("reward_eval", "metrics.json"),),
     ),
 )
 
-
-GRPO_CODE = COMMON_CODE + (
-    "paco/policy.py", "paco/sde.py", "paco/rewards.py", "paco/judge_client.py", "paco/serve.py", "paco/judge.py",
-    "paco/http.py", "paco/clip.py", "paco/subfigures.py", "paco/templates.py", "paco/models/loading.py",
-    "paco/checkpoints.py", "paco/composites.py", "paco/photos.py", "paco/losses.py",
-)
 
 STAGES += (
     Stage(
@@ -337,11 +424,17 @@ STAGES += (
         ),
         deps=(_d("prompts", "prompts.parquet"), "data/models/${item.policy}", _d("reward_merge", "model"),
               "data/models/clip"),
-        code=GRPO_CODE + ("stages/grpo.py", "paco/grpo.py", "paco/advantages.py"),
         params=("grpo.${key}", "judge", "subfigures"),
         out_dirs=("data/grpo/${key}/lora",),
         persist=("data/grpo/${key}/checkpoints",),
         metrics=("data/grpo/${key}/metrics.json",),
+        # no schedule depends on epochs, so raising it continues a finished run
+        continuable=("grpo.${key}.epochs", "grpo.${key}.save_every"),
+        # eval.every stays in the identity: it decides which weights are kept for re-evaluation
+        evaluation=tuple(f"grpo.${{key}}.eval.{k}" for k in ("resolution", "num_steps", "split", "max_prompts",
+                                                              "batch_size")),
+        launch=("grpo.${key}.resources",),
+        subprocesses=("paco/serve.py",),
         stage_plots=(
             {"data/grpo/${key}/plots/train.csv": {"x": "epoch", "y": "reward"}},
             {"data/grpo/${key}/plots/eval.csv": {"x": "epoch", "y": "reward"}},
@@ -364,11 +457,12 @@ STAGES += (
         ),
         deps=(_d("prompts", "prompts.parquet"), "data/models/${item.policy}", "data/grpo/${key}/lora",
               _d("reward_merge", "model"), "data/models/clip"),
-        code=GRPO_CODE + ("stages/sample.py", "stages/grpo.py", "paco/sampling.py", "paco/grpo.py", "paco/advantages.py"),
         params=("sample.${key}", "judge", "subfigures"),
         outs=("data/sample/${key}/samples.parquet",),
         out_dirs=("data/sample/${key}/sheets",),
         metrics=("data/sample/${key}/metrics.json",),
+        launch=("sample.${key}.resources",),
+        subprocesses=("paco/serve.py",),
     ),
 )
 

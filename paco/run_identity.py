@@ -1,0 +1,254 @@
+"""Run identity: what a stage's persisted state (checkpoints, resumable progress) must match to be
+reused, computed from what the stage declares in the registry (``workflow/registry.py``).
+
+A cached stage is a promise: what ``dvc repro`` (or Snakemake) leaves after any change equals what
+a fresh run computes with the same inputs. Outputs are rewritten by every run, but a stage with
+persisted state (``reward_train``'s and ``grpo@<subtask>``'s checkpoints, ``labels``' progress)
+would otherwise resume work done under other inputs. So every such stage computes its identity
+from exactly the declarations that make DVC rerun it:
+
+* ``dep:<path>``: sha256 of each declared data dependency (a file's bytes; a directory's sorted
+  relative file names and bytes; ``absent`` if it does not exist);
+* ``code:<path>``: sha256 of each declared code file (the stage's import closure);
+* ``params:<key>``: sha256 of each declared params section after validation (defaults filled in,
+  so writing a default explicitly changes nothing), *minus* the keys the stage declares as
+
+  - ``continuable``: a persisted run may continue across a change (``epochs`` of GRPO, whose
+    schedules do not depend on it; ``save_every``, ``checkpoint_every``),
+  - ``evaluation``: they change only the evaluation, which is recomputed on the kept weights
+    (``grpo.<subtask>.eval.*`` except ``every``, which decides which weights are kept),
+  - ``launch``: how the stage is launched (``resources``), which changes no result;
+
+  the ``evaluation`` keys have their own digest (:attr:`RunIdentity.evaluation`).
+
+A trainer adds its own parts (the process count, the device type) with :meth:`RunIdentity.extended`
+and stores :meth:`RunIdentity.to_state` in every checkpoint; on the next start it resumes only a
+checkpoint whose :attr:`RunIdentity.digest` equals the current one, and otherwise starts fresh and
+says which parts changed (:meth:`RunIdentity.changed`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ABSENT = "absent"
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 (hex) of a file's bytes, read in 1 MiB blocks.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def path_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 of a declared dependency: a file's bytes, or for a directory the sorted
+    ``(relative path, file sha256)`` of every file below it whose path has no component
+    starting with ``.`` (temporary siblings of an atomic write); :data:`ABSENT` if ``path`` does
+    not exist (an optional input such as an unused import folder).
+
+    Every byte is hashed, like DVC's own ``md5`` of a dependency: a sampled hash could miss a
+    change and resume stale state (a 16 GB judge hashes in about 10 s).
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    p = Path(path)
+    if not p.exists():
+        return ABSENT
+    if p.is_file():
+        return file_sha256(p)
+    entries = []
+    for f in sorted(p.rglob("*")):
+        rel = f.relative_to(p)
+        if f.is_file() and not any(part.startswith(".") for part in rel.parts):
+            entries.append([rel.as_posix(), file_sha256(f)])
+    return _sha256_json(entries)
+
+
+def _get(tree: Any, dotted: str) -> Any:
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _without(tree: Any, dotted_keys: list[str]) -> Any:
+    """A deep copy of ``tree`` without the given dotted keys (relative to ``tree``)."""
+    if not isinstance(tree, Mapping):
+        return tree
+    out = {}
+    for k, v in tree.items():
+        if k in dotted_keys:
+            continue
+        sub = [d.split(".", 1)[1] for d in dotted_keys if "." in d and d.split(".", 1)[0] == k]
+        out[k] = _without(v, sub) if sub else v
+    return out
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """A stage run's identity (see the module docstring).
+
+    Attributes:
+        member: the stage member (``grpo@t2is``, ``reward_train``).
+        parts: component name -> sha256 hex: what persisted training state must match.
+        evaluation: evaluation-only params key -> sha256 hex: a change re-runs the evaluation
+            on kept weights, never the training.
+    """
+
+    member: str
+    parts: Mapping[str, str]
+    evaluation: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def digest(self) -> str:
+        """sha256 over :attr:`parts` (sorted JSON)."""
+        return _sha256_json(dict(self.parts))
+
+    @property
+    def evaluation_digest(self) -> str:
+        """sha256 over :attr:`evaluation` (sorted JSON)."""
+        return _sha256_json(dict(self.evaluation))
+
+    def extended(self, **extra: Any) -> RunIdentity:
+        """The identity with trainer-specific parts ``extra:<name>`` (values ``str()``-ed)."""
+        return replace(self, parts={**self.parts, **{f"extra:{k}": str(v) for k, v in extra.items()}})
+
+    def changed(self, recorded: Mapping[str, str] | None) -> list[str]:
+        """Names of the parts that differ from ``recorded`` (added, removed or changed), sorted."""
+        recorded = recorded or {}
+        return sorted(k for k in set(self.parts) | set(recorded) if self.parts.get(k) != recorded.get(k))
+
+    def changed_evaluation(self, recorded: Mapping[str, str] | None) -> list[str]:
+        recorded = recorded or {}
+        return sorted(k for k in set(self.evaluation) | set(recorded)
+                      if self.evaluation.get(k) != recorded.get(k))
+
+    def to_state(self) -> dict[str, Any]:
+        """What a checkpoint records: ``identity``, ``identity_parts``, ``evaluation_identity``,
+        ``evaluation_parts``."""
+        return {"identity": self.digest, "identity_parts": dict(self.parts),
+                "evaluation_identity": self.evaluation_digest, "evaluation_parts": dict(self.evaluation)}
+
+    @staticmethod
+    def describe_change(names: list[str], limit: int = 6) -> str:
+        """``"dep:data/x, params:grpo.t2is (+3 more)"`` for a log line."""
+        shown = ", ".join(names[:limit])
+        return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _member(name: str, raw: Mapping[str, Any]) -> Any:
+    from workflow import registry
+
+    stage = registry.by_name(name)
+    if stage.foreach is not None and "@" in name and stage.foreach not in raw:
+        # a member named without a params file at hand: a one-member config is enough here
+        raw = {**raw, stage.foreach: {name.split("@", 1)[1]: {}}}
+    found = [m for m in stage.members(raw) if m.dvc_name == name]
+    if not found:
+        raise KeyError(f"{name!r} is not a member of stage {stage.name!r}")
+    return found[0]
+
+
+def params_identity(member: str, sections: Mapping[str, Any]) -> RunIdentity:
+    """The params part of ``member``'s identity: ``params:<key>`` for each declared section key
+    in ``sections`` (dotted key -> its validated value as JSON-able data), without the stage's
+    continuable, evaluation and launch keys; the evaluation keys' own digests.
+
+    Raises:
+        KeyError: ``member`` is not in the registry, or a declared section is missing from
+            ``sections``.
+    """
+    m = _member(member, {})
+    stage = m.stage
+    excluded = [m.resolve(k, {}) for k in stage.continuable + stage.evaluation + stage.launch]
+    parts: dict[str, str] = {}
+    for section in stage.params:
+        key = m.resolve(section, {})
+        if key not in sections:
+            raise KeyError(f"{member}: params section {key!r} not given")
+        rel = [e[len(key) + 1:] for e in excluded if e.startswith(key + ".")]
+        parts[f"params:{key}"] = _sha256_json(_without(sections[key], rel))
+    evaluation = {}
+    for k in stage.evaluation:
+        key = m.resolve(k, {})
+        section = next(s for s in sections if key.startswith(s + "."))
+        evaluation[key] = _sha256_json(_get(sections[section], key[len(section) + 1:]))
+    return RunIdentity(member, parts, evaluation)
+
+
+def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: str | os.PathLike[str] = ".",
+                   params: Any = None, args: Any = None) -> RunIdentity:
+    """The run identity of registry member ``member`` (``reward_train``, ``grpo@t2is``): the
+    digests of its declared deps and code files and :func:`params_identity`.
+
+    Args:
+        member: a stage name or foreach member name.
+        params_path: the params file the stage runs with (``params.yaml``).
+        root: the directory the registry's relative paths are resolved against.
+        params: the already validated :class:`paco.params.Params` of ``params_path`` (loaded
+            here if ``None``).
+        args: the stage's parsed command line: a declared dep passed as ``--flag`` is hashed at
+            the path the command line gives (the part keeps the declared name), so a stage run by
+            hand on other paths hashes what it reads.
+
+    Raises:
+        KeyError: ``member`` is not in the registry.
+        paco.params.ParamsError: the params file is invalid.
+        OSError: a dependency cannot be read.
+    """
+    import yaml
+
+    from paco.params import load_params
+
+    params = params if params is not None else load_params(params_path)
+    raw = yaml.safe_load(Path(params_path).read_text()) or {}
+    m = _member(member, raw)
+    tree = params.model_dump(mode="json", by_alias=True)
+    root = Path(root)
+    actual: dict[str, Path] = {}
+    for flag, value in m.stage.args:
+        attr = flag.lstrip("-").replace("-", "_")
+        if args is not None and getattr(args, attr, None) is not None:
+            actual[m.resolve(value, raw)] = Path(getattr(args, attr))
+    parts: dict[str, str] = {}
+    for dep in m.stage.deps:
+        path = m.resolve(dep, raw)
+        parts[f"dep:{path}"] = path_digest(actual.get(path, root / path))
+    for code in m.stage.code:
+        parts[f"code:{code}"] = path_digest(root / code)
+    sections = {m.resolve(k, {}): _get(tree, m.resolve(k, {})) for k in m.stage.params}
+    from_params = params_identity(member, sections)
+    return RunIdentity(member, {**parts, **from_params.parts}, from_params.evaluation)
+
+
+def stage_identity_on_main(member: str, args: Any, params: Any, accelerator: Any) -> RunIdentity:
+    """:func:`stage_identity` computed by the main process only (hashing model directories once,
+    not once per process) and broadcast to the others (``accelerate``)."""
+    identity = stage_identity(member, args.params, params=params, args=args) if accelerator.is_main_process else None
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [identity]
+        broadcast_object_list(box, from_process=0)
+        identity = box[0]
+    return identity
