@@ -441,6 +441,19 @@ class GrpoState:
     epoch_seconds: list[dict[str, Any]] = field(default_factory=list)
 
 
+def check_splits(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, section: str = "grpo.<subtask>") -> None:
+    """Fail early (before models load or the judge starts) if ``split`` or ``eval.split`` names
+    no prompt.
+
+    Raises:
+        paco.params.ParamsError: naming the key, the value and the splits there are.
+    """
+    splits = sorted(set(prompts["split"].astype(str)))
+    for key, name in (("split", cfg.split), ("eval.split", cfg.eval.split)):
+        if name not in splits:
+            raise ParamsError(f"{section}.{key} {name!r} has no prompts (the prompts' splits: {splits})")
+
+
 def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.PathLike[str], ctx: RewardContext,
           identity: RunIdentity, *, checkpoints_dir: str | os.PathLike[str], plots_dir: str | os.PathLike[str] | None,
           accelerator: Any) -> GrpoRun:
@@ -461,11 +474,8 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
         torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
 
     infos = {str(r["prompt_id"]): PromptInfo.from_row(r) for r in prompts.to_dict("records")}
+    check_splits(cfg, prompts)
     split = prompts["split"].astype(str)
-    splits = sorted(set(split))
-    for key, name in (("split", cfg.split), ("eval.split", cfg.eval.split)):
-        if name not in splits:
-            raise ParamsError(f"grpo.<subtask>.{key} {name!r} has no prompts (the prompts' splits: {splits})")
     train_ids = sorted(prompts.loc[split == cfg.split, "prompt_id"].astype(str))
     eval_ids = sorted(prompts.loc[split == cfg.eval.split, "prompt_id"].astype(str))
     if cfg.eval.max_prompts:

@@ -50,7 +50,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
-    from paco.grpo import PROMPT_COLUMNS, train_grpo
+    from paco.grpo import PROMPT_COLUMNS, check_splits, train_grpo
     from paco.judge_client import JudgeError
     from paco.rewards import RewardError
     from paco.run_identity import stage_identity_on_main
@@ -58,6 +58,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     cfg = subtask_params(params, "grpo", args.subtask)
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     prompts = read_parquet(args.prompts, required=PROMPT_COLUMNS)
+    check_splits(cfg, prompts, f"grpo.{args.subtask}")
     accelerator = make_accelerator()
     identity = stage_identity_on_main(f"grpo@{args.subtask}", args, params, accelerator)
     try:

@@ -89,6 +89,19 @@ def test_unknown_subtask_is_a_params_error(tiny_model_dirs, tmp_path):
     assert proc.returncode == 2 and "grpo.kontext_editing does not exist" in proc.stderr
 
 
+def test_a_split_typo_is_one_clear_message(tiny_model_dirs, tmp_path):
+    params = _params(tmp_path)
+    raw = yaml.safe_load(params.read_text())
+    raw["grpo"]["t2is"]["split"] = "trian"
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    proc = _run("stages.grpo", [
+        "--params", str(params), "--subtask", "t2is", "--prompts", str(_prompts(tmp_path / "prompts.parquet")),
+        "--policy", "x", "--judge", "x", "--clip", "x", "--lora", "x", "--checkpoints", "x", "--plots", "x",
+        "--metrics", str(tmp_path / "m.json")])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "grpo.t2is.split 'trian' has no prompts (the prompts' splits: ['test', 'train'])" in proc.stderr
+
+
 @pytest.mark.slow
 def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_path):
     params = _params(tmp_path)

@@ -1,0 +1,52 @@
+"""The stage runner (paco.stage.run): headline metrics and report written apart, and expected
+failures (params, artifacts, a full disk) as one clear line with exit code 2."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+
+import pytest
+
+from paco.io import ArtifactError
+from paco.stage import StageOutput, run
+
+
+def _run(tmp_path, body):
+    return run("t", ["--params", str(tmp_path / "params.yaml"), "--metrics", str(tmp_path / "out" / "metrics.json")],
+               lambda p: p.add_argument("--metrics"), body, description="test")
+
+
+@pytest.fixture()
+def params(tmp_path):
+    (tmp_path / "params.yaml").write_text("{}\n")
+    (tmp_path / "out").mkdir()
+
+
+def test_metrics_and_report_are_written_apart(tmp_path, params):
+    assert _run(tmp_path, lambda a, p: StageOutput.headline({"n": 3, "detail": [1, 2]}, "n")) == 0
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == {"n": 3}
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["detail"] == [1, 2] and report["run"]["peak_rss_mb"] > 0  # timings only in the report
+
+
+@pytest.mark.parametrize("exc,expected", [
+    (OSError(errno.ENOSPC, "No space left on device", "/data/x.parquet"), "No space left on device (/data/x.parquet)"),
+    (ArtifactError("prompts.parquet: no column split"), "no column split"),
+])
+def test_expected_failures_are_one_line_and_exit_2(tmp_path, params, caplog, exc, expected):
+    def body(a, p):
+        raise exc
+
+    with caplog.at_level(logging.ERROR, logger="paco"):
+        assert _run(tmp_path, body) == 2
+    assert expected in caplog.text and not (tmp_path / "out" / "metrics.json").exists()
+
+
+def test_a_bug_is_not_hidden(tmp_path, params):
+    def body(a, p):
+        raise OSError(errno.EBADF, "bad file descriptor")
+
+    with pytest.raises(OSError):
+        _run(tmp_path, body)
