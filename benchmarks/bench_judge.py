@@ -1,7 +1,8 @@
 """Benchmark the judge: scoring throughput batched versus one pair at a time, in process and
-through the served judge, and the LoRA training time per optimizer step.
+through the served judge (per ``--batching`` mode), and the LoRA training time per optimizer step.
 
     python benchmarks/bench_judge.py [--judge data/reward_merge/model] [--pairs 64] [--batch 16]
+        [--modes dynamic,same_shape,single] [--threads 0] [--skip-train]
 
 Uses a judge directory (default: the embedded default's merged judge; ``--build`` builds the
 untrained tiny one in a temp dir, whose first tokens need not rank Yes/No in the top 20, so the
@@ -9,9 +10,15 @@ server then returns every token's log-prob and the HTTP figures include that muc
 and pairs of 128 px panels cut from ``photos`` composites, with the embedded default's
 instruction. Prints pairs per second for: in-process ``Judge.score`` with batch 1 and
 with ``--batch``; the HTTP server (``python -m paco.serve``) hit one request at a time and with
-``--batch`` concurrent requests (dynamic batching); and seconds per training step of
+``--batch`` concurrent requests, once per server ``--batching`` mode, with whether the
+concurrent run's scores are bit-identical to the one-at-a-time run's (the batch invariance that
+GRPO's reproducibility needs; ``dynamic`` is not invariant); and seconds per training step of
 ``reward_train`` (LoRA from params, first-token-weighted loss, AdamW) at its batch size.
-Figures only: nothing here asserts on speed.
+``--mixed`` alternates three instructions of different lengths over the pairs (as GRPO's
+concurrent requests of different prompts would), so the ``same_shape`` mode cannot batch them
+all; ``--square`` resizes every panel to 128x128 px (the panels of one evenly divided GRPO
+grid share a size), so with one instruction every request has the same shape. Figures only:
+nothing here asserts on speed.
 """
 
 from __future__ import annotations
@@ -69,6 +76,11 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--modes", default="dynamic,same_shape,single", help="server --batching modes to time")
+    ap.add_argument("--threads", type=int, default=0, help="the server's torch threads (0: torch's default)")
+    ap.add_argument("--mixed", action="store_true", help="three instructions of different lengths")
+    ap.add_argument("--skip-train", action="store_true", help="skip the reward_train step timing")
+    ap.add_argument("--square", action="store_true", help="resize every panel to 128x128 px")
     args = ap.parse_args()
     from paco.judge import Judge
     from paco.judge_client import JudgeClient, LocalJudgeServer
@@ -83,7 +95,11 @@ def main() -> None:
             args.judge = materialise("judge_base", "tiny:qwen2_5_vl", Path(tmp) / "judge", seed=0)
             top = 100_000
         text = judge_instruction(None) if params.labels.instruction == "rank" else judge_instruction("a set of photos")
-        triples = [(a, b, text) for a, b in panels(args.pairs)]
+        texts = [text, judge_instruction("a red fox"), judge_instruction("a long street of houses at dusk in rain")]
+        pairs = panels(args.pairs)
+        if args.square:
+            pairs = [(a.resize((128, 128)), b.resize((128, 128))) for a, b in pairs]
+        triples = [(a, b, texts[i % 3] if args.mixed else text) for i, (a, b) in enumerate(pairs)]
         judge = Judge.from_pretrained(args.judge, batch_size=1)
         judge.score(triples[:2])  # warm-up
         one = rate(lambda: judge.score(triples), len(triples))
@@ -91,17 +107,26 @@ def main() -> None:
         batched = rate(lambda: judge.score(triples), len(triples))
         print(f"in process   batch 1: {one:7.1f} pairs/s   batch {args.batch}: {batched:7.1f} pairs/s "
               f"({batched / one:.1f}x)")
-        with LocalJudgeServer(args.judge, "bench", max_batch_size=args.batch, max_logprobs=top) as url:
-            serial = JudgeClient(url, "bench", concurrency=1, top_logprobs=top)
-            serial.score(triples[:2])
-            s1 = rate(lambda: serial.score(triples), len(triples))
-            conc = JudgeClient(url, "bench", concurrency=args.batch, top_logprobs=top)
-            h0 = conc.health()  # the server's counters are lifetime totals: report this run's share
-            s2 = rate(lambda: conc.score(triples), len(triples))
-            h1 = conc.health()
-            print(f"served       1 in flight: {s1:7.1f} pairs/s   {args.batch} in flight: {s2:7.1f} pairs/s "
-                  f"({s2 / s1:.1f}x; {h1['requests'] - h0['requests']} requests in "
-                  f"{h1['forward_passes'] - h0['forward_passes']} forward passes)")
+        for mode in args.modes.split(","):
+            with LocalJudgeServer(args.judge, "bench", max_batch_size=args.batch, max_logprobs=top,
+                                  batching=mode, threads=args.threads) as url:
+                serial = JudgeClient(url, "bench", concurrency=1, top_logprobs=top)
+                serial.score(triples[:2])
+                alone: list[float] = []
+                s1 = rate(lambda: alone.extend(serial.score(triples)), len(triples))
+                conc = JudgeClient(url, "bench", concurrency=args.batch, top_logprobs=top)
+                h0 = conc.health()  # the server's counters are lifetime totals: report this run's share
+                together: list[float] = []
+                s2 = rate(lambda: together.extend(conc.score(triples)), len(triples))
+                h1 = conc.health()
+                diff = max(abs(x - y) for x, y in zip(alone, together, strict=True))
+                print(f"served {mode:10s} 1 in flight: {s1:7.1f} pairs/s   {args.batch} in flight: {s2:7.1f} "
+                      f"pairs/s ({s2 / s1:.1f}x; {h1['requests'] - h0['requests']} requests in "
+                      f"{h1['forward_passes'] - h0['forward_passes']} forward passes, largest {h1['max_batch']}); "
+                      f"scores {'bit-identical' if alone == together else f'differ by up to {diff:.2e}'} "
+                      f"batched vs alone")
+        if args.skip_train:
+            return
 
         # training step time of reward_train (LoRA, first-token-weighted loss, AdamW)
         from paco.judge import check_answer_tokens, encode_sft

@@ -6,11 +6,22 @@ generated position::
 
     s = P(Yes) / (P(Yes) + P(No)) = sigmoid(logit_Yes - logit_No)
 
-from the first-token logits (``answer_variants=True`` sums the probabilities of case and
-leading-space variants ``Yes``/``yes``/`` Yes``/... that are single tokens). Training targets are
-``Yes. <reason>...</reason>`` / ``No. ...`` (:func:`paco.templates.format_response`), so the
-answer is the first response token; :func:`check_answer_tokens` rejects a tokenizer for which
-that does not hold.
+from the first-token logits. ``answer_variants=True`` is the reference's ``canonicalize=True``
+(``get_yes_cond_prob_from_completion`` in PaCo-GRPO/paco_grpo/utils.py of X-GenGroup/PaCo-RL):
+``P(Yes)`` and ``P(No)`` are the summed probabilities of every token whose text, stripped of
+surrounding whitespace and lower-cased, is ``yes`` / ``no`` (:func:`canonical_answer`). The
+reference sums over the ``top_logprobs`` (20) of a served reply, which is what
+:func:`paco.judge_client.yes_probability` does; in process (:class:`Judge`) the whole vocabulary
+is available and every such token is summed. Training targets are ``Yes. <reason>...</reason>``
+/ ``No. ...`` (:func:`paco.templates.format_response`), so the answer is the first response
+token; :func:`check_answer_tokens` rejects a tokenizer for which that does not hold.
+
+Context length: a prompt plus its one answer token must fit the judge's context
+(``max_position_embeddings`` of the model's text config, or a smaller ``max_model_len``), as
+vLLM checks ``prompt tokens + max_tokens <= max_model_len``. :meth:`Judge.encode` raises
+:class:`JudgeContextError` naming both numbers; nothing is truncated. (The released reward sends
+the request to vLLM, which refuses it; the reference client then scores the pair 0.0 after its
+retries, silently. We fail instead.)
 """
 
 from __future__ import annotations
@@ -26,12 +37,69 @@ from PIL import Image
 from paco.losses import IGNORE_INDEX
 from paco.templates import NO, YES, build_messages, format_response
 
-#: Case and leading-space variants of the answers, summed when ``answer_variants`` is on.
-ANSWER_VARIANTS = {YES: ("Yes", "yes", "YES", " Yes", " yes", " YES"), NO: ("No", "no", "NO", " No", " no", " NO")}
+def canonical_answer(text: Any) -> str | None:
+    """``YES`` / ``NO`` if ``text.strip().lower()`` is ``"yes"`` / ``"no"``, else ``None``.
+
+    The token matching of the reference's ``canonicalize=True`` (PaCo-GRPO/paco_grpo/utils.py,
+    ``get_yes_cond_prob_from_completion``: ``token.strip().lower()`` compared with ``"yes"`` and
+    ``"no"``): ``"Yes"``, ``" yes"``, ``"YES\\n"`` match; ``"Yes."``, ``"yes!"``, ``"Yesterday"``,
+    ``"nope"`` do not. Non-``str`` input gives ``None``.
+    """
+    if not isinstance(text, str):
+        return None
+    word = text.strip().lower()
+    return YES if word == "yes" else NO if word == "no" else None
 
 
 class JudgeTokenizerError(ValueError):
     """The judge's tokenizer does not encode ``Yes``/``No`` as single answer tokens."""
+
+
+class JudgeContextError(ValueError):
+    """A judge prompt does not fit the judge's context (``n_tokens + 1 > limit``).
+
+    Attributes:
+        n_tokens: the prompt's length in tokens (image tokens included).
+        limit: the judge's context in positions.
+    """
+
+    def __init__(self, n_tokens: int, limit: int, what: str = "judge prompt"):
+        self.n_tokens = int(n_tokens)
+        self.limit = int(limit)
+        # the first sentence is vLLM's wording for the same refusal, so that clients recognise it
+        super().__init__(
+            f"This model's maximum context length is {self.limit} tokens. However, you requested "
+            f"{self.n_tokens + 1} tokens ({self.n_tokens} in the messages, 1 in the completion). "
+            f"The {what} is {self.n_tokens} tokens, which with its answer token exceeds the judge's context "
+            f"of {self.limit} positions; shorten the instruction (e.g. judge.instruction: rank instead of a "
+            "long theme) or the images. Nothing is truncated."
+        )
+
+
+def context_limit(model: Any) -> int:
+    """The judge's context in positions: ``max_position_embeddings`` of the text config.
+
+    Raises:
+        ValueError: the model config has no ``max_position_embeddings``.
+    """
+    config = model.config
+    for cfg in (getattr(config, "text_config", None), config):
+        n = getattr(cfg, "max_position_embeddings", None) if cfg is not None else None
+        if isinstance(n, int) and n > 0:
+            return n
+    raise ValueError(f"{type(config).__name__} has no max_position_embeddings: cannot bound the judge's context")
+
+
+def check_context(n_tokens: Sequence[int] | torch.Tensor, limit: int) -> None:
+    """Raise :class:`JudgeContextError` for the first prompt whose length + 1 exceeds ``limit``.
+
+    Args:
+        n_tokens: prompt lengths in tokens, one per prompt.
+        limit: context length in positions (vLLM's ``max_model_len``).
+    """
+    for n in (n_tokens.tolist() if isinstance(n_tokens, torch.Tensor) else n_tokens):
+        if int(n) + 1 > limit:
+            raise JudgeContextError(int(n), limit)
 
 
 @dataclass(frozen=True)
@@ -42,12 +110,37 @@ class AnswerTokens:
     no: tuple[int, ...]
 
 
+def canonical_answer_ids(tokenizer: Any) -> dict[str, list[int]]:
+    """Every vocabulary id whose decoded text is a :func:`canonical_answer`, by answer.
+
+    Candidates are the vocabulary entries (``tokenizer.get_vocab()``, added tokens included)
+    whose spelling contains ``yes``/``no`` in any case (byte-level BPE and SentencePiece spell
+    ASCII letters as themselves); each is then decoded alone (``tokenizer.decode([id])``) and
+    kept if :func:`canonical_answer` of its text is the answer.
+
+    Returns:
+        ``{YES: [ids...], NO: [ids...]}``, each sorted ascending.
+    """
+    out: dict[str, list[int]] = {YES: [], NO: []}
+    for spelling, i in tokenizer.get_vocab().items():
+        low = str(spelling).lower()
+        if "yes" not in low and "no" not in low:
+            continue
+        word = canonical_answer(tokenizer.decode([int(i)]))
+        if word is not None:
+            out[word].append(int(i))
+    return {w: sorted(set(v)) for w, v in out.items()}
+
+
 def check_answer_tokens(tokenizer: Any, *, variants: bool = False) -> AnswerTokens:
     """Find the answer token ids and check the training target starts with them.
 
     ``Yes`` and ``No`` must each be exactly one token, and the tokenisation of a full target
     (``"Yes. <reason>1. x.</reason>"``) must start with that token (a tokenizer that merges
-    ``"Yes."`` into one token would make the first-token score meaningless).
+    ``"Yes."`` into one token would make the first-token score meaningless). With ``variants``,
+    every other id whose text is ``yes``/``no`` after ``strip().lower()``
+    (:func:`canonical_answer_ids`, the reference's ``canonicalize=True``) is added after the
+    exact token.
 
     Raises:
         JudgeTokenizerError: naming the word and its tokenisation.
@@ -69,11 +162,10 @@ def check_answer_tokens(tokenizer: Any, *, variants: bool = False) -> AnswerToke
                     f"with the answer token {want} (got {target[:3]})"
                 )
         ids[word] = tok
-        if variants:
-            for v in ANSWER_VARIANTS[word][1:]:
-                t = tokenizer.encode(v, add_special_tokens=False)
-                if len(t) == 1 and t[0] not in ids[word]:
-                    ids[word].append(t[0])
+    if variants:
+        found = canonical_answer_ids(tokenizer)
+        for word in (YES, NO):
+            ids[word] += [i for i in found[word] if i not in ids[word]]
     if set(ids[YES]) & set(ids[NO]):
         raise JudgeTokenizerError(f"Yes and No share token ids {set(ids[YES]) & set(ids[NO])}")
     return AnswerTokens(tuple(ids[YES]), tuple(ids[NO]))
@@ -155,13 +247,30 @@ class Judge:
 
     One forward pass per batch of ``batch_size`` triples; no generation is needed for the
     score (only the first-position logits).
+
+    Args:
+        model, processor: a Qwen2.5-VL judge and its processor.
+        answer_variants: sum every ``yes``/``no`` token (see the module docstring).
+        batch_size: triples per forward pass in :meth:`score`.
+        max_model_len: context bound in positions (vLLM's ``--max-model-len``); ``None``: the
+            model's :func:`context_limit`.
+
+    Raises:
+        JudgeTokenizerError: see :func:`check_answer_tokens`.
+        ValueError: ``max_model_len`` < 2 or larger than the model's context.
     """
 
-    def __init__(self, model: Any, processor: Any, *, answer_variants: bool = False, batch_size: int = 8):
+    def __init__(self, model: Any, processor: Any, *, answer_variants: bool = False, batch_size: int = 8,
+                 max_model_len: int | None = None):
         self.model = model
         self.processor = processor
         self.batch_size = batch_size
         self.answer = check_answer_tokens(processor.tokenizer, variants=answer_variants)
+        limit = context_limit(model)
+        if max_model_len is not None and not 2 <= int(max_model_len) <= limit:
+            raise ValueError(f"max_model_len {max_model_len} must be in [2, {limit}] (the model's "
+                             "max_position_embeddings)")
+        self.max_model_len = int(max_model_len) if max_model_len is not None else limit
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", **kw: Any) -> Judge:
@@ -175,15 +284,39 @@ class Judge:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def encode(self, triples: Sequence[tuple[Image.Image, Image.Image, str]]) -> dict[str, torch.Tensor]:
+        """:func:`encode_prompts` (left-padded, on CPU) after checking every prompt fits.
+
+        Raises:
+            JudgeContextError: a prompt's length + 1 exceeds :attr:`max_model_len`.
+            ValueError: the processor refused an input (e.g. an extreme aspect ratio).
+        """
+        inputs = encode_prompts(self.processor, triples)
+        check_context(inputs["attention_mask"].sum(dim=1), self.max_model_len)
+        return inputs
+
     @torch.no_grad()
+    def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``(batch, vocab)`` float32 logits at the last position of encoded ``inputs``, one
+        forward pass (``inputs`` from :meth:`encode`, or such encodings concatenated along the
+        batch)."""
+        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return self.model(**inputs).logits[:, -1, :].float()
+
     def first_token_logits(self, triples: Sequence[tuple[Image.Image, Image.Image, str]]) -> torch.Tensor:
-        """``(batch, vocab)`` float32 logits at the first response position, one forward pass."""
-        inputs = encode_prompts(self.processor, triples).to(self.device)
-        logits = self.model(**inputs).logits
-        return logits[:, -1, :].float()
+        """``(batch, vocab)`` float32 logits at the first response position, one forward pass.
+
+        Raises:
+            JudgeContextError, ValueError: see :meth:`encode`.
+        """
+        return self.logits(self.encode(triples))
 
     def score(self, triples: Sequence[tuple[Image.Image, Image.Image, str]]) -> list[float]:
-        """P(Yes)/(P(Yes)+P(No)) per triple, floats in [0, 1], in input order."""
+        """P(Yes)/(P(Yes)+P(No)) per triple, floats in [0, 1], in input order.
+
+        Raises:
+            JudgeContextError, ValueError: see :meth:`encode`.
+        """
         scores: list[float] = []
         for i in range(0, len(triples), self.batch_size):
             chunk = triples[i : i + self.batch_size]

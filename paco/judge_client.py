@@ -3,14 +3,19 @@ a local judge server.
 
 The score of a pair is PaCo-Reward's ``P(Yes) / (P(Yes) + P(No))`` of the first generated token
 (paper §3.2), computed from the ``top_logprobs`` of a ``max_tokens: 1`` chat completion as the
-reference reward does (``get_yes_cond_prob_from_completion`` of X-GenGroup/PaCo-RL):
-``sigmoid(logprob(Yes) - logprob(No))``. When only one of the two answers is among the top
-tokens the other counts as impossible (log-prob ``-inf``: score 1 or 0), as in the reference;
-when neither is, the reply is an error (the reference returns 0.0 there; a judge that answers
-neither is not a judge that says "inconsistent").
+reference reward does (``get_yes_cond_prob_from_completion`` of X-GenGroup/PaCo-RL,
+PaCo-GRPO/paco_grpo/utils.py): ``sigmoid(logprob(Yes) - logprob(No))``, or with
+``answer_variants`` (the reference's ``canonicalize=True``) the summed probabilities of every top
+token whose ``strip().lower()`` text is ``yes`` / ``no``. When only one of the two answers is
+among the top tokens the other counts as impossible (log-prob ``-inf``: score 1 or 0), as in
+the reference; when neither is, the reply is an error (the reference returns 0.0 there; a judge
+that answers neither is not a judge that says "inconsistent").
 
 Failures never become scores: a request that still fails after ``retries`` retries with
-exponential backoff raises :class:`JudgeError` naming the URL and the HTTP status.
+exponential backoff raises :class:`JudgeError` naming the URL and the HTTP status. A prompt too
+long for the judge's context (the server's 400, from ``paco.serve`` or vLLM) raises
+:class:`JudgeContextLengthError` with the token count and the limit (the reference retries and
+then scores such a pair 0.0).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,7 +37,7 @@ from typing import Any
 from PIL import Image
 
 from paco.http import HTTPRequestError, request_json, with_retries
-from paco.judge import ANSWER_VARIANTS
+from paco.judge import canonical_answer
 from paco.templates import NO, YES, build_openai_messages, png_bytes
 
 log = logging.getLogger("paco.judge_client")
@@ -41,30 +47,67 @@ class JudgeError(RuntimeError):
     """The judge could not be reached, rejected a request, or gave an unusable reply."""
 
 
+class JudgeContextLengthError(JudgeError):
+    """The judge refused a prompt longer than its context (HTTP 400).
+
+    Attributes:
+        n_tokens: the prompt's length in tokens as the server counted it.
+        limit: the server's context length (``max_model_len``).
+    """
+
+    def __init__(self, message: str, n_tokens: int, limit: int):
+        super().__init__(message)
+        self.n_tokens = n_tokens
+        self.limit = limit
+
+
+# the refusal's wording in paco.serve and vLLM's OpenAI server (two generations of it)
+_CONTEXT_PATTERNS = (
+    (re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens \((\d+) in the messages"),
+     ("limit", "n")),
+    (re.compile(r"prompt \(length (\d+)\) is longer than the maximum model length of (\d+)"), ("n", "limit")),
+)
+
+
+def _context_refusal(message: str) -> tuple[int, int] | None:
+    """``(prompt tokens, limit)`` if ``message`` is a context-length refusal, else ``None``."""
+    for pattern, names in _CONTEXT_PATTERNS:
+        m = pattern.search(message)
+        if m:
+            got = dict(zip(names, map(int, m.groups()), strict=True))
+            return got["n"], got["limit"]
+    return None
+
+
 def yes_probability(top_logprobs: Sequence[dict[str, Any]], *, answer_variants: bool = False) -> float:
     """``P(Yes) / (P(Yes) + P(No))`` from one position's ``top_logprobs`` entries.
 
     Args:
         top_logprobs: ``[{"token": str, "logprob": float}, ...]`` (OpenAI / vLLM layout).
-        answer_variants: sum the probabilities of case and leading-space variants
-            (:data:`paco.judge.ANSWER_VARIANTS`) instead of the exact tokens ``Yes``/``No``.
+        answer_variants: the reference's ``canonicalize=True``: ``P(Yes)`` / ``P(No)`` sum the
+            probabilities of every entry whose token, stripped and lower-cased, is ``yes`` /
+            ``no`` (:func:`paco.judge.canonical_answer`; ``" yes"``, ``"YES\\n"`` count,
+            ``"Yes."`` does not). Off: only the exact tokens ``Yes`` and ``No``.
 
     Returns:
-        A float in [0, 1].
+        A float in [0, 1], computed in log space (``sigmoid(lse(yes) - lse(no))``; equal to the
+        reference's ``sum(exp) / (sum(exp) + sum(exp))`` in float64 up to rounding). Each entry
+        counts once (the reference keys a dict by token text, so of two entries with the same
+        text it keeps the last; distinct token ids of a byte-level vocabulary have distinct
+        texts).
 
     Raises:
         JudgeError: neither answer is among the tokens, or a log-prob is NaN.
     """
-    yes_tokens = ANSWER_VARIANTS[YES] if answer_variants else (YES,)
-    no_tokens = ANSWER_VARIANTS[NO] if answer_variants else (NO,)
     yes, no = [], []
     for entry in top_logprobs:
         token, lp = entry.get("token"), entry.get("logprob")
         if not isinstance(lp, (int, float)) or math.isnan(lp):
             raise JudgeError(f"invalid logprob {lp!r} for token {token!r}")
-        if token in yes_tokens:
+        word = canonical_answer(token) if answer_variants else token if token in (YES, NO) else None
+        if word == YES:
             yes.append(float(lp))
-        elif token in no_tokens:
+        elif word == NO:
             no.append(float(lp))
     if not yes and not no:
         shown = [e.get("token") for e in top_logprobs][:8]
@@ -134,6 +177,14 @@ class JudgeClient:
             )
         except HTTPRequestError as exc:
             status = f"HTTP status {exc.status}" if exc.status is not None else "no HTTP response"
+            refusal = _context_refusal(str(exc)) if exc.status == 400 else None
+            if refusal is not None:
+                n, limit = refusal
+                raise JudgeContextLengthError(
+                    f"judge request to {exc.url} refused ({status}): the judge prompt is {n} tokens and the "
+                    f"judge's context is {limit} positions (prompt + 1 answer token must fit); shorten the "
+                    f"instruction (judge.instruction: rank, or a shorter theme) or the images. Server: {exc}",
+                    n, limit) from None
             raise JudgeError(f"judge request to {exc.url} failed ({status}): {exc}") from None
 
     def served_models(self) -> list[str]:
@@ -189,6 +240,7 @@ class JudgeClient:
         """``P(Yes)/(P(Yes)+P(No))`` per triple, in input order, floats in [0, 1].
 
         Raises:
+            JudgeContextLengthError: a prompt is too long for the judge's context.
             JudgeError: any request failed for good (the first failure is raised; no score is
                 made up for it).
         """
@@ -216,7 +268,9 @@ class LocalJudgeServer:
     ``startup_timeout_s`` passes), checks that ``/v1/models`` lists ``served_model_name``, and
     returns the base URL (``http://127.0.0.1:<port>/v1``). ``__exit__`` stops it (SIGTERM, then
     SIGKILL after 10 s). The server's log goes to ``log_path`` (default: a temp file), whose tail
-    is quoted if it fails to start.
+    is quoted if it fails to start. ``batching`` and ``max_model_len`` are the server's
+    ``--batching`` (default ``auto``: batch-invariant, see :mod:`paco.serve`) and
+    ``--max-model-len`` (``None``: the model's ``max_position_embeddings``).
 
     Raises:
         JudgeError: the server did not come up or serves another name.
@@ -225,7 +279,7 @@ class LocalJudgeServer:
     def __init__(self, model_dir: str | os.PathLike[str], served_model_name: str, *, max_batch_size: int = 16,
                  max_wait_ms: float = 10.0, threads: int = 0, startup_timeout_s: float = 120.0,
                  log_path: str | os.PathLike[str] | None = None, device: str = "auto", dtype: str = "float32",
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, batching: str = "auto", max_model_len: int | None = None):
         self.model_dir = Path(model_dir)
         self.served_model_name = served_model_name
         self.max_batch_size = max_batch_size
@@ -236,6 +290,8 @@ class LocalJudgeServer:
         self.device = device
         self.dtype = dtype
         self.max_logprobs = max_logprobs
+        self.batching = batching
+        self.max_model_len = max_model_len
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -255,7 +311,8 @@ class LocalJudgeServer:
                "--served-model-name", self.served_model_name, "--host", "127.0.0.1", "--port", "0",
                "--port-file", str(port_file), "--max-batch-size", str(self.max_batch_size),
                "--max-wait-ms", str(self.max_wait_ms), "--threads", str(self.threads), "--device", self.device,
-               "--dtype", self.dtype, "--max-logprobs", str(self.max_logprobs)]
+               "--dtype", self.dtype, "--max-logprobs", str(self.max_logprobs), "--batching", self.batching,
+               "--max-model-len", str(self.max_model_len or 0)]
         # OpenMP threads that busy-wait between the server's small forward passes would steal the
         # cores the trainer needs (and the other way round): make them sleep when idle.
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}

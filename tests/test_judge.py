@@ -7,7 +7,15 @@ import pytest
 import torch
 from PIL import Image
 
-from paco.judge import AnswerTokens, Judge, JudgeTokenizerError, check_answer_tokens, encode_sft, p_yes_from_logits
+from paco.judge import (
+    AnswerTokens,
+    Judge,
+    JudgeTokenizerError,
+    canonical_answer,
+    check_answer_tokens,
+    encode_sft,
+    p_yes_from_logits,
+)
 from paco.losses import IGNORE_INDEX
 from paco.templates import format_response, judge_instruction
 
@@ -48,6 +56,46 @@ class MergingTokenizer:
         return [9]
 
 
+class VocabTokenizer:
+    """A vocabulary of whole strings; encodes by greedy longest match over the first 8 (so "Yes."
+    is "Yes" + "."), decodes any id."""
+
+    TEXTS = ["Yes", "No", ".", " ", "x", "<reason>", "</reason>", "1", " yes", "YES", "\nyes", "Yes ", "\tNO\n",
+             " no", "Yes.", "yes!", "Yesterday", "nope", "Noah", "eyes", "y", "n"]
+
+    def get_vocab(self):
+        return {t.replace(" ", "\u0120"): i for i, t in enumerate(self.TEXTS)}  # spelled as byte-level BPE
+
+    def decode(self, ids):
+        return "".join(self.TEXTS[i] for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        out = []
+        while text:
+            i = max((i for i, t in enumerate(self.TEXTS[:8]) if text.startswith(t)), key=lambda i: len(self.TEXTS[i]),
+                    default=4)
+            out.append(i)
+            text = text[max(len(self.TEXTS[i]), 1):]
+        return out
+
+
+def test_answer_variants_are_the_reference_canonicalize():
+    """answer_variants: every token whose text is yes/no after strip().lower() (reference
+    canonicalize=True), the exact answer first; P(Yes) sums their probabilities."""
+    assert [canonical_answer(t) for t in ("Yes", " yes", "YES\n", "\tNo ", "Yes.", "nope", "", None)] == \
+        ["Yes", "Yes", "Yes", "No", None, None, None, None]
+    tok = VocabTokenizer()
+    texts = tok.TEXTS
+    answer = check_answer_tokens(tok, variants=True)
+    assert answer == AnswerTokens(yes=(0, 8, 9, 10, 11), no=(1, 12, 13))
+    assert check_answer_tokens(tok) == AnswerTokens(yes=(0,), no=(1,))
+    logits = torch.linspace(-3.0, 2.0, len(texts)).reshape(1, -1)
+    p = [math.exp(v) for v in logits[0].tolist()]
+    yes = sum(p[i] for i, t in enumerate(texts) if t.strip().lower() == "yes")
+    no = sum(p[i] for i, t in enumerate(texts) if t.strip().lower() == "no")
+    assert p_yes_from_logits(logits, answer).item() == pytest.approx(yes / (yes + no), rel=1e-6)
+
+
 def test_tokenizer_checks():
     with pytest.raises(JudgeTokenizerError, match="'Yes' as 3 tokens"):
         check_answer_tokens(SplittingTokenizer())
@@ -63,6 +111,16 @@ def judge(tiny_model_dirs):
 def panels(n, seed=0):
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 256, (int(rng.integers(60, 140)), 128, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def test_answer_variant_ids_on_the_real_tokenizer_match_a_full_scan(judge):
+    tok = judge.processor.tokenizer
+    scan = {w: tuple(sorted(i for i in range(len(tok)) if tok.decode([i]).strip().lower() == w.lower()))
+            for w in ("Yes", "No")}
+    answer = check_answer_tokens(tok, variants=True)
+    assert answer.yes[0] == tok.convert_tokens_to_ids("Yes") and answer.no[0] == tok.convert_tokens_to_ids("No")
+    assert (tuple(sorted(answer.yes)), tuple(sorted(answer.no))) == (scan["Yes"], scan["No"])
+    assert len(scan["Yes"]) > 1
 
 
 def test_scores_are_batch_invariant_and_one_forward_per_batch(judge):
