@@ -356,6 +356,13 @@ class JudgeServerParams(_Section):
     device: str = Field("auto", description="auto (cuda if available) | cpu | cuda | cuda:N")
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_logprobs: int = Field(20, ge=1, description="largest top_logprobs served (vLLM's --max-logprobs)")
+    batching: Literal["auto", "same_shape", "single", "dynamic"] = Field(
+        "auto", description="how concurrent requests share forward passes: same_shape (only identical "
+        "encodings, unpadded) and single keep every request's logprobs independent of its batch, bit for "
+        "bit (GRPO is reproducible); dynamic pads mixed batches (faster, batch-dependent); auto: same_shape "
+        "on CPU, single elsewhere")
+    max_model_len: int | None = Field(None, ge=2, description="context limit below the model's "
+                                      "max_position_embeddings (vLLM's --max-model-len); longer prompts are refused")
 
 
 class JudgeParams(_Section):
@@ -669,6 +676,14 @@ def _format_errors(exc: ValidationError, raw: Any = None) -> str:
             msgs.append(err["msg"])
         inputs.setdefault(key, err.get("input"))
     return "\n".join(f"  {key}: {', or '.join(msgs)}{_got(inputs[key])}" for key, msgs in by_key.items())
+
+
+def format_validation_errors(exc: ValidationError, prefix: str = "", raw: Any = None) -> str:
+    """A section's validation errors, one line per dotted key (``prefix.key: reason``)."""
+    text = _format_errors(exc, raw)
+    if prefix:
+        text = "\n".join(line.replace("  ", f"  {prefix}.", 1) for line in text.splitlines())
+    return f"invalid parameters\n{text}"
 
 
 def validate_params(raw: dict[str, Any], *, source: str = "params") -> Params:

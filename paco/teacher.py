@@ -26,8 +26,7 @@ A label is never changed: a teacher response that does not start with the expect
 retried and then recorded as failed (``ok=False`` with the reason in ``error``); every input item
 gets exactly one :class:`TeacherResult`, in input order.
 
-Params (the ``labels.teacher`` section; :func:`make_teacher`, defaults in
-:data:`TEACHER_DEFAULTS`)::
+Params (the ``labels.teacher`` section, :class:`paco.params.TeacherParams`; :func:`make_teacher`)::
 
     backend: template          # template | openai | local
     fast: false                # bare "Yes."/"No." targets, no teacher call
@@ -94,7 +93,6 @@ __all__ = [
     "OpenAITeacher",
     "LocalTeacher",
     "Reason",
-    "TEACHER_DEFAULTS",
     "TeacherConfigError",
     "make_teacher",
     "measure_pair",
@@ -964,64 +962,13 @@ class LocalTeacher(Teacher):
 # factory
 # --------------------------------------------------------------------------------------------
 
-#: Defaults of the ``labels.teacher`` params section (see the module docstring).
-TEACHER_DEFAULTS: dict[str, Any] = {
-    "backend": "template",
-    "fast": False,
-    "max_reasons": 3,
-    "retries": 2,
-    "timeout_s": 60.0,
-    "backoff_s": 1.0,
-    "backoff_max_s": 30.0,
-    "template": {"size": 128},
-    "openai": {
-        "base_url": None,
-        "model": None,
-        "api_key_env": None,
-        "max_tokens": 256,
-        "temperature": 0.0,
-        "retry_temperature": 0.7,
-        "concurrency": 4,
-    },
-    "local": {
-        "model_dir": None,
-        "batch_size": 4,
-        "max_new_tokens": 256,
-        "temperature": 0.7,
-        "seed": 0,
-        "device": "cpu",
-    },
-}
-
-
-def _as_dict(cfg: Any, where: str) -> dict[str, Any]:
-    if cfg is None:
-        return {}
-    if hasattr(cfg, "model_dump"):
-        cfg = cfg.model_dump()
-    if not isinstance(cfg, Mapping):
-        raise TeacherConfigError(f"{where} must be a mapping, got {type(cfg).__name__}")
-    return dict(cfg)
-
-
-def _merge(defaults: dict[str, Any], cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    out = dict(defaults)
-    for k, v in cfg.items():
-        if k not in defaults:
-            raise TeacherConfigError(f"{where}.{k}: unknown key (known: {', '.join(defaults)})")
-        if isinstance(defaults[k], dict):
-            out[k] = _merge(defaults[k], _as_dict(v, f"{where}.{k}"), f"{where}.{k}")
-        else:
-            out[k] = v
-    return out
-
-
 def make_teacher(cfg: Any = None, **overrides: Any) -> Teacher:
     """Build a teacher from the ``labels.teacher`` params section.
 
     Args:
-        cfg: a mapping (or pydantic model) with the keys of :data:`TEACHER_DEFAULTS`; missing
-            keys take the defaults. ``None`` gives the default template teacher.
+        cfg: a :class:`paco.params.TeacherParams`, or a mapping validated by it (missing keys take
+            its defaults, the one schema of the section). ``None`` gives the default template
+            teacher.
         **overrides: top-level keys overriding ``cfg`` (e.g. ``fast=True``).
 
     Returns:
@@ -1031,7 +978,18 @@ def make_teacher(cfg: Any = None, **overrides: Any) -> Teacher:
         TeacherConfigError: unknown key (named with its dotted path), unknown backend, or a
             backend-specific error (missing base_url/model/model_dir, unset api_key_env).
     """
-    c = _merge(TEACHER_DEFAULTS, {**_as_dict(cfg, "teacher"), **overrides}, "teacher")
+    from pydantic import ValidationError
+
+    from paco.params import TeacherParams, format_validation_errors
+
+    raw = cfg.model_dump() if hasattr(cfg, "model_dump") else dict(cfg or {})
+    if not isinstance(raw, Mapping):
+        raise TeacherConfigError(f"teacher must be a mapping, got {type(cfg).__name__}")
+    merged = {**raw, **overrides}
+    try:
+        c = TeacherParams.model_validate(merged).model_dump()
+    except ValidationError as exc:
+        raise TeacherConfigError(format_validation_errors(exc, "teacher", merged)) from exc
     common = {"fast": bool(c["fast"]), "max_reasons": int(c["max_reasons"]), "retries": int(c["retries"])}
     backend = c["backend"]
     if backend == "template":

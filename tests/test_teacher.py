@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter, ImageOps
 
+from paco.params import TeacherParams
 from paco.teacher import (
-    TEACHER_DEFAULTS,
     LocalTeacher,
     OpenAITeacher,
     PairItem,
@@ -181,13 +181,13 @@ def test_explain_checks_items():
 def test_make_teacher_defaults_and_errors(monkeypatch):
     t = make_teacher(None)
     assert isinstance(t, TemplateTeacher) and t.max_reasons == 3 and not t.fast
-    assert set(TEACHER_DEFAULTS) == {"backend", "fast", "max_reasons", "retries", "timeout_s", "backoff_s",
-                                     "backoff_max_s", "template", "openai", "local"}
+    # one schema: the defaults are TeacherParams' (no second defaults table in paco.teacher)
+    assert t.max_reasons == TeacherParams().max_reasons and t.size == TeacherParams().template.size
     with pytest.raises(TeacherConfigError, match=r"teacher\.bogus"):
         make_teacher({"bogus": 1})
     with pytest.raises(TeacherConfigError, match=r"teacher\.openai\.key"):
         make_teacher({"backend": "openai", "openai": {"key": "sk-123"}})
-    with pytest.raises(TeacherConfigError, match="unknown backend"):
+    with pytest.raises(TeacherConfigError, match="teacher.backend: Input should be 'template', 'openai' or 'local'"):
         make_teacher({"backend": "gpt"})
     with pytest.raises(TeacherConfigError, match="base_url"):
         make_teacher({"backend": "openai"})
