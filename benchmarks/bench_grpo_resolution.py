@@ -5,7 +5,7 @@ resolutions (paper §4.2: sample and train the 2x2 grid at 512, evaluate at 1024
         [--models data/models] [--judge data/reward_merge/model] [--prompts data/prompts/prompts.parquet]
 
 Uses the embedded default's ``grpo.t2is`` params with only ``train.resolution`` changed (eval
-only at the start and the end, outside the per-epoch figures), the real rewards and the judge served by ``python -m paco.serve``. The models and
+only at the start and the end, outside the per-epoch figures), the real rewards and the judge served by ``python -m paco.judge.serve``. The models and
 prompts default to a finished ``dvc repro``'s outputs; ``--build`` builds the tiny models and a
 prompt table in a temp dir instead (the base judge then stands in for the merged one). Prints
 seconds per epoch split into sampling, rewards and the policy update, and the ratio between the
@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml  # noqa: E402
 
-from paco.clip import ClipScorer  # noqa: E402
-from paco.grpo import train_grpo  # noqa: E402
-from paco.io import read_parquet  # noqa: E402
-from paco.judge_client import JudgeClient, LocalJudgeServer  # noqa: E402
-from paco.params import GrpoSubtaskParams  # noqa: E402
-from paco.rewards import RewardContext  # noqa: E402
+from paco.models.clip import ClipScorer  # noqa: E402
+from paco.grpo.trainer import train_grpo  # noqa: E402
+from paco.core.io import read_parquet  # noqa: E402
+from paco.judge.client import JudgeClient, LocalJudgeServer  # noqa: E402
+from paco.core.params import GrpoSubtaskParams  # noqa: E402
+from paco.grpo.rewards import RewardContext  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ untrained tiny one in a temp dir, whose first tokens need not rank Yes/No in the
 server then returns every token's log-prob and the HTTP figures include that much larger JSON)
 and pairs of 128 px panels cut from ``photos`` composites, with the embedded default's
 instruction. Prints pairs per second for: in-process ``Judge.score`` with batch 1 and
-with ``--batch``; the HTTP server (``python -m paco.serve``) hit one request at a time and with
+with ``--batch``; the HTTP server (``python -m paco.judge.serve``) hit one request at a time and with
 ``--batch`` concurrent requests, once per server ``--batching`` mode, with whether the
 concurrent run's scores are bit-identical to the one-at-a-time run's (the batch invariance that
 GRPO's reproducibility needs; ``dynamic`` is not invariant); and seconds per training step of
@@ -35,17 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from paco.params import load_params  # noqa: E402
+from paco.core.params import load_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def panels(n_pairs: int) -> list[tuple]:
     """``n_pairs`` (panel, panel) pairs from photo composites of the embedded prompt set."""
-    from paco.io import decode_image
-    from paco.photos import render_composites
-    from paco.prompts import read_t2is_jsonl
-    from paco.subfigures import crop_panels, split_grid
+    from paco.core.io import decode_image
+    from paco.data.photos import render_composites
+    from paco.data.prompts import read_t2is_jsonl
+    from paco.data.subfigures import crop_panels, split_grid
 
     params = load_params(ROOT / "params.yaml")
     prompts = read_t2is_jsonl(ROOT / "data/raw/t2is_prompts.jsonl")
@@ -82,9 +82,9 @@ def main() -> None:
     ap.add_argument("--skip-train", action="store_true", help="skip the reward_train step timing")
     ap.add_argument("--square", action="store_true", help="resize every panel to 128x128 px")
     args = ap.parse_args()
-    from paco.judge import Judge
-    from paco.judge_client import JudgeClient, LocalJudgeServer
-    from paco.templates import judge_instruction
+    from paco.judge.model import Judge
+    from paco.judge.client import JudgeClient, LocalJudgeServer
+    from paco.judge.templates import judge_instruction
 
     params = load_params(ROOT / "params.yaml")
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,11 +129,11 @@ def main() -> None:
             return
 
         # training step time of reward_train (LoRA, first-token-weighted loss, AdamW)
-        from paco.judge import check_answer_tokens, encode_sft
-        from paco.losses import first_token_weighted_loss
+        from paco.judge.model import check_answer_tokens, encode_sft
+        from paco.judge.losses import first_token_weighted_loss
         from paco.models.loading import load_judge
-        from paco.reward_train import apply_lora
-        from paco.templates import format_response
+        from paco.judge.training import apply_lora
+        from paco.judge.templates import format_response
 
         cfg = params.reward_train
         model, processor = load_judge(args.judge)

@@ -1,4 +1,4 @@
-"""Benchmark subfigure extraction: throughput and accuracy of ``paco.subfigures.split_grid``.
+"""Benchmark subfigure extraction: throughput and accuracy of ``paco.data.subfigures.split_grid``.
 
     python benchmarks/bench_subfigures.py [--prompts 8] [--repeats 3] [--size 1024]
 
@@ -29,10 +29,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paco.io import decode_image  # noqa: E402
-from paco.params import PhotosParams  # noqa: E402
-from paco.photos import SUBJECTS, load_subject, render_composites  # noqa: E402
-from paco.subfigures import box_iou, crop_panels, split_grid  # noqa: E402
+from paco.core.io import decode_image  # noqa: E402
+from paco.core.params import PhotosParams  # noqa: E402
+from paco.data.photos import SUBJECTS, load_subject, render_composites  # noqa: E402
+from paco.data.subfigures import box_iou, crop_panels, split_grid  # noqa: E402
 
 METHODS = ("refine", "equal")
 MIXED = [(2, 2), (1, 3), (3, 1), (2, 3), (3, 3)]

@@ -2,7 +2,7 @@
 
 ``composites.source`` picks the source: ``photos`` (real photographs, embedded default),
 ``generate`` (the ``policy_t2is`` FLUX pipeline, N seeds per prompt) or ``import`` (a folder of
-existing composites plus a manifest). See :mod:`paco.composites`.
+existing composites plus a manifest). See :mod:`paco.data.composites`.
 
 ``import`` decodes each image by its real mode and orientation and reports in the metrics how
 many were rotated by their EXIF orientation, scaled from 16 to 8 bits, or had transparent pixels
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from paco import composites as C
-from paco.io import ALPHA_BACKGROUND, ArtifactError, read_parquet, write_parquet
-from paco.params import Params
-from paco.stage import StageOutput, log, run, seed_everything
+from paco.data import composites as C
+from paco.core.io import ALPHA_BACKGROUND, ArtifactError, read_parquet, write_parquet
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run, seed_everything
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +40,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     skipped: list[dict] = []
     conversions: dict = {}
     if cfg.source == "photos":
-        from paco.photos import render_composites
+        from paco.data.photos import render_composites
 
         df = render_composites(prompts, cfg.photos, cfg.seeds_per_prompt, cfg.seed)
     elif cfg.source == "generate":

@@ -8,13 +8,13 @@ Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
         --lora data/grpo/t2is/lora --checkpoints data/grpo/t2is/checkpoints \\
         --plots data/grpo/t2is/plots --metrics data/grpo/t2is/metrics.json
 
-The judge: with ``judge.url: null`` the main process starts ``python -m paco.serve`` on the
+The judge: with ``judge.url: null`` the main process starts ``python -m paco.judge.serve`` on the
 ``--judge`` model on a free localhost port, waits for ``/health``, checks the served model name
 and stops it on exit; with a URL (e.g. of ``vllm serve data/reward_merge/model
 --served-model-name paco-reward``) that server is checked and used. Params: ``grpo.<subtask>``
-(:class:`paco.params.GrpoSubtaskParams`), ``judge``, ``subfigures`` (how grids are cut for the
+(:class:`paco.core.params.GrpoSubtaskParams`), ``judge``, ``subfigures`` (how grids are cut for the
 panel rewards). Writes the LoRA (diffusers format), resumable checkpoints, ``plots/train.csv``,
-``plots/eval.csv`` and ``metrics.json`` (:func:`paco.grpo.train_grpo`).
+``plots/eval.csv`` and ``metrics.json`` (:func:`paco.grpo.trainer.train_grpo`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from paco.io import ArtifactError, read_parquet  # noqa: E402
-from paco.judge_endpoint import judge_endpoint, make_accelerator, make_reward_context, subtask_params  # noqa: E402
-from paco.params import Params  # noqa: E402
-from paco.stage import StageOutput, log, run  # noqa: E402
+from paco.core.io import ArtifactError, read_parquet  # noqa: E402
+from paco.grpo.judge_endpoint import judge_endpoint, make_accelerator, make_reward_context, subtask_params  # noqa: E402
+from paco.core.params import Params  # noqa: E402
+from paco.core.stage import StageOutput, log, run  # noqa: E402
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -50,10 +50,10 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
-    from paco.grpo import PROMPT_COLUMNS, check_splits, train_grpo
-    from paco.judge_client import JudgeError
-    from paco.rewards import RewardError
-    from paco.run_identity import stage_identity_on_main
+    from paco.grpo.trainer import PROMPT_COLUMNS, check_splits, train_grpo
+    from paco.judge.client import JudgeError
+    from paco.grpo.rewards import RewardError
+    from paco.core.run_identity import stage_identity_on_main
 
     cfg = subtask_params(params, "grpo", args.subtask)
     logging.getLogger("accelerate").setLevel(logging.WARNING)
@@ -71,7 +71,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         raise ArtifactError(f"grpo@{args.subtask}: {exc}") from exc
     report = out["report"]
     report["subtask"] = args.subtask
-    report["judge"] = {"url": params.judge.url or "local paco.serve", "model": params.judge.served_model_name,
+    report["judge"] = {"url": params.judge.url or "local paco.judge.serve", "model": params.judge.served_model_name,
                        "requests": ctx.judge.requests}
     if not accelerator.is_main_process:
         args.metrics = None

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from paco import labels as L
-from paco.io import read_parquet, write_parquet
-from paco.params import Params
-from paco.stage import StageOutput, log, run, seed_everything
+from paco.judge import labels as L
+from paco.core.io import read_parquet, write_parquet
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run, seed_everything
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +32,8 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
-    from paco.run_identity import stage_identity
-    from paco.teacher import make_teacher
+    from paco.core.run_identity import stage_identity
+    from paco.judge.teacher import make_teacher
 
     cfg = params.labels
     seed_everything(cfg.seed)

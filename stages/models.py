@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from paco.params import Params
-from paco.stage import StageOutput, log, run
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from paco import pairs as P
-from paco.io import ArtifactError, decode_image, read_parquet, write_parquet
-from paco.params import Params
-from paco.stage import StageOutput, log, run
+from paco.data import pairs as P
+from paco.core.io import ArtifactError, decode_image, read_parquet, write_parquet
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def _ranker(cfg, args: argparse.Namespace, panels) -> P.Ranker:
         return P.ground_truth_ranker(panels)
     if cfg.ranking == "annotations":
         return P.annotation_ranker(P.annotation_rankings(P.read_annotations(args.annotations), panels))
-    from paco.clip import ClipScorer  # torch + transformers: import only when used
+    from paco.models.clip import ClipScorer  # torch + transformers: import only when used
 
     scorer = ClipScorer(args.clip)
     images = [decode_image(c, what=f"panel {pid}") for pid, c in zip(panels["panel_id"], panels["image"])]

@@ -5,7 +5,7 @@ Each stage validates the whole file when it runs, but ``dvc repro`` runs a stage
 its declared params sections changes: a misspelled top-level section (``reward_trian:``) would
 otherwise pass unnoticed. This stage depends on the file itself, so any edit reruns it (about a
 second) and an invalid file fails ``dvc repro`` with the offending dotted keys. The same check
-without a stage: ``python -m paco.params params.yaml``.
+without a stage: ``python -m paco.core.params params.yaml``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from paco.io import write_json
-from paco.params import Params
-from paco.stage import StageOutput, run
+from paco.core.io import write_json
+from paco.core.params import Params
+from paco.core.stage import StageOutput, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:

@@ -1,11 +1,11 @@
 """Stage ``prompts``: a T2IS-format jsonl prompt set -> ``prompts.parquet`` with a split by prompt.
 
 Reads ``--jsonl`` (``prompts.jsonl`` in params), parses layouts and panel prompts
-(:func:`paco.prompts.read_t2is_jsonl`), assigns the train/test split by prompt where the file
+(:func:`paco.data.prompts.read_t2is_jsonl`), assigns the train/test split by prompt where the file
 does not give one, and writes ``prompts.parquet`` (DESIGN.md §2) plus metrics: prompt counts per
 split, category and layout, every skipped malformed row when ``strict: false``, and the null or
 blank criteria that were dropped (``dropped_criteria``). A file with no valid row fails here
-(:class:`paco.prompts.EmptyPromptSetError`, exit code 2).
+(:class:`paco.data.prompts.EmptyPromptSetError`, exit code 2).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from paco import prompts as P
-from paco.io import write_parquet
-from paco.params import Params
-from paco.stage import StageOutput, log, run
+from paco.data import prompts as P
+from paco.core.io import write_parquet
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from paco import evaluation as E
-from paco.io import ArtifactError, read_parquet, write_parquet
-from paco.params import Params
-from paco.stage import StageOutput, log, run, seed_everything
+from paco.judge import evaluation as E
+from paco.core.io import ArtifactError, read_parquet, write_parquet
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run, seed_everything
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -36,9 +36,9 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def _body(args: argparse.Namespace, params: Params) -> dict:
-    from paco.clip import ClipScorer
-    from paco.judge import Judge
-    from paco.templates import judge_instruction
+    from paco.models.clip import ClipScorer
+    from paco.judge.model import Judge
+    from paco.judge.templates import judge_instruction
 
     cfg = params.reward_eval
     seed_everything(cfg.seed)

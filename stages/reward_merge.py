@@ -15,9 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from paco.io import ArtifactError, decode_image, read_parquet
-from paco.params import Params
-from paco.stage import StageOutput, log, run
+from paco.core.io import ArtifactError, decode_image, read_parquet
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run
 
 #: max |P(Yes) difference| between unmerged, merged and reloaded models (float32: only
 #: summation-order rounding of W + BA; bf16: rounding of the merged weights to 8 mantissa bits)
@@ -37,7 +37,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     import torch
     from peft import PeftModel
 
-    from paco.judge import Judge
+    from paco.judge.model import Judge
     from paco.models.loading import load_judge
 
     cfg = params.reward_merge

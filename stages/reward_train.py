@@ -11,7 +11,7 @@ Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
 Plain ``python -m stages.reward_train ...`` runs one process. Reads ``sft.parquet`` (train on
 ``split == "train"``, evaluate every epoch on ``split == "test"``, ``status == "ok"`` rows),
 writes the PEFT adapter (safetensors), ``plots/train.csv`` and ``plots/eval.csv``, resumable
-``checkpoints/`` and ``metrics.json`` (:func:`paco.reward_train.train_reward`). Only the main
+``checkpoints/`` and ``metrics.json`` (:func:`paco.judge.training.train_reward`). Only the main
 process writes the adapter, plots and metrics.
 """
 
@@ -22,9 +22,9 @@ import logging
 import sys
 from pathlib import Path
 
-from paco.params import Params
-from paco.reward_train import make_accelerator, train_reward
-from paco.stage import StageOutput, log, run
+from paco.core.params import Params
+from paco.judge.training import make_accelerator, train_reward
+from paco.core.stage import StageOutput, log, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
-    from paco.run_identity import stage_identity_on_main
+    from paco.core.run_identity import stage_identity_on_main
 
     cfg = params.reward_train
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file lines on every checkpoint
@@ -54,7 +54,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     )
     report = out["report"]
     if not accelerator.is_main_process:
-        # paco.stage.run writes --metrics after the body returns: only rank 0 may write it
+        # paco.core.stage.run writes --metrics after the body returns: only rank 0 may write it
         args.metrics = None
     else:
         final = report.get("eval_final", {})

@@ -8,7 +8,7 @@
         --clip data/models/clip --out data/sample/t2is/samples.parquet --sheets data/sample/t2is/sheets \\
         --metrics data/sample/t2is/metrics.json
 
-Params ``sample.<subtask>`` (:class:`paco.params.SampleSubtaskParams`), ``judge`` (served like in
+Params ``sample.<subtask>`` (:class:`paco.core.params.SampleSubtaskParams`), ``judge`` (served like in
 ``grpo@<subtask>``), ``subfigures``. Writes ``samples.parquet`` (one row per grid and variant:
 the grid, its panels, their boxes, every reward), ``sheets/base.png`` and ``sheets/lora.png``
 (contact sheets) and ``metrics.json`` (each reward with and without the LoRA).
@@ -26,11 +26,11 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from paco.checkpoints import replace_dir  # noqa: E402
-from paco.io import ArtifactError, read_parquet, write_parquet  # noqa: E402
-from paco.params import Params  # noqa: E402
-from paco.stage import StageOutput, log, run  # noqa: E402
-from paco.judge_endpoint import (  # noqa: E402
+from paco.core.checkpoints import replace_dir  # noqa: E402
+from paco.core.io import ArtifactError, read_parquet, write_parquet  # noqa: E402
+from paco.core.params import Params  # noqa: E402
+from paco.core.stage import StageOutput, log, run  # noqa: E402
+from paco.grpo.judge_endpoint import (  # noqa: E402
     judge_endpoint,
     make_accelerator,
     make_reward_context,
@@ -53,10 +53,10 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _body(args: argparse.Namespace, params: Params) -> dict:
     import io
 
-    from paco.grpo import PROMPT_COLUMNS
-    from paco.judge_client import JudgeError
-    from paco.rewards import RewardError
-    from paco.sampling import final_samples
+    from paco.grpo.trainer import PROMPT_COLUMNS
+    from paco.judge.client import JudgeError
+    from paco.grpo.rewards import RewardError
+    from paco.grpo.final_samples import final_samples
 
     cfg = subtask_params(params, "sample", args.subtask)
     logging.getLogger("accelerate").setLevel(logging.WARNING)

@@ -1,7 +1,7 @@
 """Stage ``subfigures``: cut every composite into its panels -> ``panels.parquet``.
 
 The layout (rows x cols) comes from ``prompts.parquet``; boxes from
-:func:`paco.subfigures.split_grid` (``subfigures.method``: ``refine`` snaps cuts to separator
+:func:`paco.data.subfigures.split_grid` (``subfigures.method``: ``refine`` snaps cuts to separator
 bands and trims borders, ``equal`` is the reference implementation's equal split). When the
 composites carry their true panel boxes (the ``photos`` source does), the stage reports the mean
 and minimum IoU of the extracted boxes against them.
@@ -15,10 +15,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from paco.io import read_parquet, write_parquet
-from paco.params import Params
-from paco.stage import StageOutput, log, run
-from paco.panels import extract_panels
+from paco.core.io import read_parquet, write_parquet
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run
+from paco.data.panels import extract_panels
 
 
 def _args(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paco.advantages import (
+from paco.grpo.advantages import (
     RewardValueError,
     aggregate,
     coefficient_of_variation,

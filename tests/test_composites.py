@@ -11,9 +11,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from paco import composites as C
-from paco.io import ArtifactError, ImageDecodeError, ImageTooLargeError, decode_image, encode_image, write_parquet
-from paco.params import GenerateParams, ImportParams
+from paco.data import composites as C
+from paco.core.io import ArtifactError, ImageDecodeError, ImageTooLargeError, decode_image, encode_image, write_parquet
+from paco.core.params import GenerateParams, ImportParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from paco import evaluation as E
-from paco.io import ArtifactError
+from paco.judge import evaluation as E
+from paco.core.io import ArtifactError
 
 
 def setup(n_inst=6):

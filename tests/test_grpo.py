@@ -9,12 +9,12 @@ import pandas as pd
 import pytest
 import torch
 
-from paco import rewards as R
-from paco.checkpoints import list_checkpoints
-from paco.grpo import CHECKPOINT_PREFIX, clipped_surrogate, epoch_prompts, gaussian_mean_kl, minibatches, train_grpo
-from paco.judge_client import JudgeError
-from paco.params import GrpoSubtaskParams
-from paco.run_identity import params_identity
+from paco.grpo import rewards as R
+from paco.core.checkpoints import list_checkpoints
+from paco.grpo.trainer import CHECKPOINT_PREFIX, clipped_surrogate, epoch_prompts, gaussian_mean_kl, minibatches, train_grpo
+from paco.judge.client import JudgeError
+from paco.core.params import GrpoSubtaskParams
+from paco.core.run_identity import params_identity
 
 
 def _identity(cfg: GrpoSubtaskParams, **sections):
@@ -125,9 +125,9 @@ def test_epoch_plan_is_seeded_unique_and_partitions():
 
 @pytest.mark.parametrize("same", [False, True])
 def test_group_initial_noise_is_shared_only_when_asked(tiny_model_dirs, same):
-    from paco.grpo import sample_group
+    from paco.grpo.trainer import sample_group
     from paco.models.loading import load_flux_pipeline
-    from paco.policy import FluxPolicy
+    from paco.grpo.policy import FluxPolicy
 
     cfg = _cfg(sample=dict(sde_indices=[0], same_initial_noise=same))
     prompt = R.PromptInfo.from_row(_prompts().iloc[0].to_dict())
@@ -171,7 +171,7 @@ def test_the_trainer_climbs_a_learnable_reward(red_run):
 
 def test_saved_lora_loads_into_the_pipeline_and_reproduces_the_policy(red_run, tiny_model_dirs):
     from paco.models.loading import load_flux_pipeline
-    from paco.policy import FluxPolicy
+    from paco.grpo.policy import FluxPolicy
 
     _, _, out = red_run
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
@@ -256,7 +256,7 @@ def test_a_nan_reward_is_an_error(tiny_model_dirs, tmp_path):
 def test_ema_follows_the_reference_warmup_and_cadence():
     """``EMAModuleWrapper.step`` of the released code: d_t = min((1 + t) / (10 + t), decay), an
     update after step t when (t + 1) % every == 0; computed here independently in float64."""
-    from paco.grpo import LoraEMA
+    from paco.grpo.trainer import LoraEMA
 
     w = {"a": torch.nn.Parameter(torch.tensor([1.0, -2.0]))}
     ema = LoraEMA(w, 0.9, warmup=True, update_every=3)

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from paco.io import write_parquet
+from paco.core.io import write_parquet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,10 +158,10 @@ def test_two_gloo_processes_give_the_one_process_result(tiny_model_dirs, tmp_pat
     # same samples up to batch-size float effects (row batches of 4 vs 2), so the same rewards
     pd.testing.assert_series_equal(t1["reward"], t2["reward"], rtol=1e-4)
     # the learned updates (weights minus the seeded initial LoRA) agree up to float summation order
-    from paco.seeding import stable_seed
+    from paco.core.seeding import stable_seed
     from paco.models.loading import load_flux_pipeline
-    from paco.params import load_params
-    from paco.policy import FluxPolicy
+    from paco.core.params import load_params
+    from paco.grpo.policy import FluxPolicy
 
     cfg = load_params(params).grpo["t2is"]
     init = FluxPolicy(load_flux_pipeline(tiny_model_dirs["policy_t2is"]), cfg.lora,

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from paco.io import (
+from paco.core.io import (
     ALPHA_BACKGROUND,
     IMAGE_TYPE,
     ArtifactError,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from paco.judge import (
+from paco.judge.model import (
     AnswerTokens,
     Judge,
     JudgeTokenizerError,
@@ -16,8 +16,8 @@ from paco.judge import (
     encode_sft,
     p_yes_from_logits,
 )
-from paco.losses import IGNORE_INDEX
-from paco.templates import format_response, judge_instruction
+from paco.judge.losses import IGNORE_INDEX
+from paco.judge.templates import format_response, judge_instruction
 
 
 def test_p_yes_matches_hand_softmax():

@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from paco import labels as L
-from paco.io import ArtifactError, encode_image
-from paco.teacher import TeacherResult, make_teacher
-from paco.templates import parse_response
+from paco.judge import labels as L
+from paco.core.io import ArtifactError, encode_image
+from paco.judge.teacher import TeacherResult, make_teacher
+from paco.judge.templates import parse_response
 
 
 def tables(n_pairs=10):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from paco import losses as L
+from paco.judge import losses as L
 
 IGN = -100
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from paco import metrics as M
+from paco.judge import metrics as M
 
 
 def inverse(order):

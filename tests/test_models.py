@@ -201,7 +201,7 @@ def test_flux_generates_128px_image(tiny_model_dirs, offline):
 
 
 def test_clip_scorer_embeddings(tiny_model_dirs, offline):
-    from paco.clip import ClipScorer
+    from paco.models.clip import ClipScorer
 
     scorer = ClipScorer(tiny_model_dirs["clip"])
     images = [_image(i, size=64 + 16 * i) for i in range(3)]

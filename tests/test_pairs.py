@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from paco import pairs as P
-from paco.io import ArtifactError
+from paco.data import pairs as P
+from paco.core.io import ArtifactError
 
 
 def panel_table(n_prompts=2, seeds=4, rows=2, cols=2, levels=(0, 1, 3, 7)):

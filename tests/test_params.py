@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from paco.params import Params, ParamsError, load_params, validate_params
+from paco.core.params import Params, ParamsError, load_params, validate_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,7 +173,7 @@ def test_exponent_floats_without_a_dot_load_as_numbers(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# the whole file: unknown sections, and `python -m paco.params`
+# the whole file: unknown sections, and `python -m paco.core.params`
 # --------------------------------------------------------------------------------------------
 
 
@@ -191,7 +191,7 @@ def test_misspelled_top_level_section_is_an_error(tmp_path):
 
 
 def test_cli_ok_and_errors(tmp_path, capsys):
-    from paco.params import main
+    from paco.core.params import main
 
     assert main([str(ROOT / "params.yaml")]) == 0
     out, err = capsys.readouterr()
@@ -232,7 +232,7 @@ def test_cli_module_exit_code_without_traceback(tmp_path):
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("models: {seed: true}\nreward_trian: {}\n")
-    proc = subprocess.run([sys.executable, "-m", "paco.params", str(bad)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "paco.core.params", str(bad)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "Traceback" not in proc.stderr

@@ -1,4 +1,4 @@
-"""The ``photos`` composite source (paco.photos): determinism, Latin square, boxes, drift."""
+"""The ``photos`` composite source (paco.data.photos): determinism, Latin square, boxes, drift."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 from scipy.stats import spearmanr
 
-from paco.io import decode_image
-from paco.params import PhotosParams
-from paco.photos import (
+from paco.core.io import decode_image
+from paco.core.params import PhotosParams
+from paco.data.photos import (
     COMPOSITE_COLUMNS,
     DRIFT_STYLES,
     GREYSCALE_SUBJECTS,

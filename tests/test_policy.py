@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from paco.models.loading import load_flux_pipeline
-from paco.params import PolicyLoraParams
-from paco.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, grid_size
+from paco.core.params import PolicyLoraParams
+from paco.grpo.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, grid_size
 
 PROMPTS = ["a tabby cat on a cushion", "two red kites over a beach"]
 

@@ -1,4 +1,4 @@
-"""paco.prompts: T2IS jsonl parsing, panel tags, malformed rows, the split, the shipped set."""
+"""paco.data.prompts: T2IS jsonl parsing, panel tags, malformed rows, the split, the shipped set."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from paco import prompts as P
-from paco.io import ArtifactError, read_parquet, write_parquet
-from paco.prompts import PromptFormatError
+from paco.data import prompts as P
+from paco.core.io import ArtifactError, read_parquet, write_parquet
+from paco.data.prompts import PromptFormatError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "data" / "raw" / "t2is_prompts.jsonl"

@@ -44,12 +44,12 @@ def test_code_deps_are_the_import_closure():
     exported names, the judge server it starts as a process), so editing any module it runs
     reruns it, and a module it does not run never does."""
     grpo = set(registry.by_name("grpo").code)
-    assert {"stages/grpo.py", "paco/grpo.py", "paco/sde.py", "paco/judge_endpoint.py", "paco/run_identity.py",
-            "paco/seeding.py", "paco/serve.py", "paco/models/loading.py"} <= grpo
+    assert {"stages/grpo.py", "paco/grpo/trainer.py", "paco/grpo/sde.py", "paco/grpo/judge_endpoint.py", "paco/core/run_identity.py",
+            "paco/core/seeding.py", "paco/judge/serve.py", "paco/models/loading.py"} <= grpo
     # seeding lives apart from the photo renderer: editing photos does not rerun GRPO
-    assert not {"paco/photos.py", "paco/composites.py", "paco/teacher.py"} & grpo
-    assert "paco/serve.py" not in registry.by_name("reward_train").code
-    assert "paco/teacher.py" in registry.by_name("labels").code
+    assert not {"paco/data/photos.py", "paco/data/composites.py", "paco/judge/teacher.py"} & grpo
+    assert "paco/judge/serve.py" not in registry.by_name("reward_train").code
+    assert "paco/judge/teacher.py" in registry.by_name("labels").code
     # lazily exported names: paco.models' _EXPORTS maps load_judge to paco/models/loading.py
     assert "paco/models/loading.py" in registry.by_name("reward_eval").code
     for stage in registry.STAGES:
@@ -135,7 +135,7 @@ def test_accelerate_stages_check_params_before_launching(tmp_path):
     """An invalid params file stops an accelerate stage before the launch: one message, exit
     code 2, no torch-elastic traceback from every process."""
     stage = registry.by_name("reward_train")
-    assert stage.cmd.startswith("python -m paco.params params.yaml && accelerate launch ")
+    assert stage.cmd.startswith("python -m paco.core.params params.yaml && accelerate launch ")
     (tmp_path / "params.yaml").write_text("reward_train: {learning_rate: .inf}\n")
     cmd = stage.cmd.split(" && ")[0]
     proc = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True,

@@ -27,16 +27,16 @@ import torch
 import yaml
 from PIL import Image
 
-from paco.io import encode_image
-from paco.params import LoraParams, RewardTrainParams
-from paco.templates import format_response, judge_instruction
+from paco.core.io import encode_image
+from paco.core.params import LoraParams, RewardTrainParams
+from paco.judge.templates import format_response, judge_instruction
 
 
 def train_reward(cfg, sft, base, **kw) -> dict:
-    """:func:`paco.reward_train.train_reward` with the params part of ``reward_train``'s run
+    """:func:`paco.judge.training.train_reward` with the params part of ``reward_train``'s run
     identity; returns the report with the headline metrics under ``"metrics_headline"``."""
-    from paco.reward_train import train_reward as train
-    from paco.run_identity import params_identity
+    from paco.judge.training import train_reward as train
+    from paco.core.run_identity import params_identity
 
     out = train(cfg, sft, base, identity=params_identity("reward_train", {"reward_train": cfg.model_dump(mode="json")}),
                 **kw)
@@ -44,7 +44,7 @@ def train_reward(cfg, sft, base, **kw) -> dict:
 
 
 def list_checkpoints(ck):
-    from paco.checkpoints import list_checkpoints as listed
+    from paco.core.checkpoints import list_checkpoints as listed
 
     return listed(ck, "step-")
 
@@ -114,7 +114,7 @@ def _adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def test_lora_only_on_language_model(tiny_model_dirs):
     from paco.models.loading import load_judge
-    from paco.reward_train import apply_lora, language_model_prefix, lora_config, parameter_counts
+    from paco.judge.training import apply_lora, language_model_prefix, lora_config, parameter_counts
 
     model, _ = load_judge(tiny_model_dirs["judge_base"])
     prefix = language_model_prefix(model)
@@ -150,7 +150,7 @@ def test_lora_only_on_language_model(tiny_model_dirs):
 
 
 def test_epoch_plan_shards_union_equals_single_process_batch():
-    from paco.reward_train import epoch_plan, shard
+    from paco.judge.training import epoch_plan, shard
 
     one = epoch_plan(50, seed=3, epoch=1, batch_size=8, num_processes=1, grad_accum=2)
     two = epoch_plan(50, seed=3, epoch=1, batch_size=4, num_processes=2, grad_accum=2)
@@ -166,8 +166,8 @@ def test_epoch_plan_shards_union_equals_single_process_batch():
 
 @pytest.mark.parametrize("variant", ["paper", "reference"])
 def test_distributed_loss_scaling_matches_global_batch(variant):
-    from paco.losses import first_token_weighted_loss
-    from paco.reward_train import distributed_loss_scale
+    from paco.judge.losses import first_token_weighted_loss
+    from paco.judge.training import distributed_loss_scale
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(8, 12, 30, generator=g)
@@ -191,7 +191,7 @@ def test_distributed_loss_scaling_matches_global_batch(variant):
 
 @pytest.fixture(scope="module")
 def sft_path(tmp_path_factory) -> Path:
-    from paco.io import write_parquet
+    from paco.core.io import write_parquet
 
     path = tmp_path_factory.mktemp("sft") / "sft.parquet"
     write_parquet(path, make_sft_table(96, 32), image_columns=["image_a", "image_b"])
@@ -232,9 +232,9 @@ def test_training_learns_the_synthetic_signal(baseline):
 def test_saved_adapter_reloads_with_peft(baseline, tiny_model_dirs, sft_path):
     from peft import PeftModel
 
-    from paco.judge import check_answer_tokens
+    from paco.judge.model import check_answer_tokens
     from paco.models.loading import load_judge
-    from paco.reward_train import evaluate, load_sft_rows, make_accelerator
+    from paco.judge.training import evaluate, load_sft_rows, make_accelerator
 
     adapter = baseline["out"] / "adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
@@ -320,7 +320,7 @@ def test_another_run_identity_starts_fresh(baseline, tiny_model_dirs, sft_path, 
         steps.append(info.global_step)
         raise _Stop
 
-    with caplog.at_level(logging.WARNING, logger="paco.reward_train"), pytest.raises(_Stop):
+    with caplog.at_level(logging.WARNING, logger="paco.judge.training"), pytest.raises(_Stop):
         train_reward(_cfg(learning_rate=5e-3), sft_path, tiny_model_dirs["judge_base"], callback=cb, **kw)
     assert steps == [1]
     assert "another run identity" in caplog.text and "params:reward_train" in caplog.text
@@ -360,7 +360,7 @@ def _launch(tmp: Path, name: str, processes: int, section: dict, sft: Path, base
 
 @pytest.mark.slow
 def test_two_cpu_processes_equal_one_process(tiny_model_dirs, tmp_path):
-    from paco.io import write_parquet
+    from paco.core.io import write_parquet
 
     sft = tmp_path / "sft.parquet"
     write_parquet(sft, make_sft_table(32, 8, seed=1), image_columns=["image_a", "image_b"])
@@ -428,8 +428,8 @@ def _pair_images() -> tuple[Image.Image, Image.Image]:
 
 
 def test_augment_swap_and_flip_are_exact():
-    from paco.params import PairAugmentParams
-    from paco.reward_train import augment_pair
+    from paco.core.params import PairAugmentParams
+    from paco.judge.training import augment_pair
 
     a, b = _pair_images()
     rng = np.random.default_rng(0)
@@ -441,8 +441,8 @@ def test_augment_swap_and_flip_are_exact():
 
 
 def test_augment_crop_follows_the_documented_draws():
-    from paco.params import PairAugmentParams
-    from paco.reward_train import augment_pair
+    from paco.core.params import PairAugmentParams
+    from paco.judge.training import augment_pair
 
     a, b = _pair_images()
     aug = PairAugmentParams(enabled=True, swap=0.0, hflip=0.0, crop_scale=(0.25, 0.5))
@@ -459,8 +459,8 @@ def test_augment_crop_follows_the_documented_draws():
 
 
 def test_row_images_is_deterministic_per_row_and_epoch_and_off_by_default():
-    from paco.params import PairAugmentParams
-    from paco.reward_train import SftRow, row_images
+    from paco.core.params import PairAugmentParams
+    from paco.judge.training import SftRow, row_images
 
     a, b = _pair_images()
     row = SftRow("p0", encode_image(a)["bytes"], encode_image(b)["bytes"], "q", "Yes.", True)
@@ -478,7 +478,7 @@ def test_row_images_is_deterministic_per_row_and_epoch_and_off_by_default():
 def test_augment_crop_scale_is_validated():
     from pydantic import ValidationError
 
-    from paco.params import PairAugmentParams
+    from paco.core.params import PairAugmentParams
 
     with pytest.raises(ValidationError, match="crop_scale"):
         PairAugmentParams(enabled=True, crop_scale=(0.9, 0.5))

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from paco.clip import ClipScorer
-from paco.rewards import REWARDS, PromptInfo, RewardContext, RewardError, compute_rewards
-from paco.templates import judge_instruction
+from paco.models.clip import ClipScorer
+from paco.grpo.rewards import REWARDS, PromptInfo, RewardContext, RewardError, compute_rewards
+from paco.judge.templates import judge_instruction
 
 
 class RecordingJudge:

@@ -1,4 +1,4 @@
-"""Run identity (paco.run_identity) and the checkpoint plumbing built on it (paco.checkpoints):
+"""Run identity (paco.core.run_identity) and the checkpoint plumbing built on it (paco.core.checkpoints):
 every declared dependency class changes the identity, the continuable / evaluation / launch keys
 do not, resumes happen only under the same identity, unreadable checkpoints are skipped, and saved
 weights have deterministic bytes."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from paco import checkpoints as ckpt
-from paco.run_identity import ABSENT, RunIdentity, params_identity, path_digest, stage_identity
+from paco.core import checkpoints as ckpt
+from paco.core.run_identity import ABSENT, RunIdentity, params_identity, path_digest, stage_identity
 from workflow import registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_every_dependency_class_changes_its_part(workspace):
         dep = "/".join(rel.split("/")[:3]) if "models" in rel or "model/" in rel else rel
         assert _identity(ws).changed(base.parts) == [f"dep:{dep}"], rel
         (ws / rel).write_bytes(old)
-    for code in ("paco/losses.py", "paco/serve.py", "paco/grpo.py"):
+    for code in ("paco/judge/losses.py", "paco/judge/serve.py", "paco/grpo/trainer.py"):
         old = (ws / code).read_bytes()
         (ws / code).write_bytes(old + b"\n# edited\n")
         assert _identity(ws).changed(base.parts) == [f"code:{code}"], code
@@ -181,7 +181,7 @@ def test_find_resumable_rules(tmp_path, caplog):
 
 _SAVE = """
 import sys, torch
-from paco.checkpoints import save_safetensors
+from paco.core.checkpoints import save_safetensors
 save_safetensors({"b": torch.arange(6.0).reshape(2, 3), "a": torch.ones(2, dtype=torch.float16)}, sys.argv[1],
                  {"z": "1", "m": '{"target_modules": ["q", "b", "k"], "r": 4}', "a": "x"})
 """

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from paco.sde import calculate_shift, flux_sigmas, sde_step
+from paco.grpo.sde import calculate_shift, flux_sigmas, sde_step
 
 
 def _reference(v, x, sigma, sigma_next, a, x_next, sigma_max=0.98):

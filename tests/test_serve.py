@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from paco.judge import Judge, JudgeContextError
-from paco.judge_client import JudgeClient, JudgeContextLengthError, JudgeError, LocalJudgeServer, yes_probability
-from paco.serve import BatchingJudge, make_server
-from paco.templates import build_openai_messages, judge_instruction, png_bytes
+from paco.judge.model import Judge, JudgeContextError
+from paco.judge.client import JudgeClient, JudgeContextLengthError, JudgeError, LocalJudgeServer, yes_probability
+from paco.judge.serve import BatchingJudge, make_server
+from paco.judge.templates import build_openai_messages, judge_instruction, png_bytes
 
 NAME = "paco-reward-test"
 VOCAB = 100_000
@@ -175,7 +175,7 @@ def test_context_bound_is_prompt_plus_one_answer_token(judge):
 
 
 def test_client_recognises_vllm_context_refusals():
-    from paco.judge_client import _context_refusal
+    from paco.judge.client import _context_refusal
 
     old = ("HTTP 400 from http://h/v1/chat/completions: {\"object\":\"error\",\"message\":\"This model's maximum "
            "context length is 4096 tokens. However, you requested 9688 tokens (9687 in the messages, 1 in the "
@@ -311,7 +311,7 @@ def _check_one_bad_input(srv, url, judge, batching):
 
 
 def test_cancelled_requests_are_not_computed(judge):
-    from paco.serve import BatchingJudge
+    from paco.judge.serve import BatchingJudge
 
     calls: list[int] = []
 

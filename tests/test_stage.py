@@ -1,4 +1,4 @@
-"""The stage runner (paco.stage.run): headline metrics and report written apart, and expected
+"""The stage runner (paco.core.stage.run): headline metrics and report written apart, and expected
 failures (params, artifacts, a full disk) as one clear line with exit code 2."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from paco.io import ArtifactError
-from paco.stage import StageOutput, run
+from paco.core.io import ArtifactError
+from paco.core.stage import StageOutput, run
 
 
 def _run(tmp_path, body):

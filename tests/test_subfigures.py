@@ -1,4 +1,4 @@
-"""Cutting composites into panels (paco.subfigures): synthetic grids with known boxes."""
+"""Cutting composites into panels (paco.data.subfigures): synthetic grids with known boxes."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from paco.io import decode_image
-from paco.params import PhotosParams
-from paco.photos import SUBJECTS, load_subject, render_composites
-from paco.subfigures import box_iou, crop_panels, split_grid
+from paco.core.io import decode_image
+from paco.core.params import PhotosParams
+from paco.data.photos import SUBJECTS, load_subject, render_composites
+from paco.data.subfigures import box_iou, crop_panels, split_grid
 
 PHOTOS = list(SUBJECTS)
 

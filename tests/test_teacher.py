@@ -1,4 +1,4 @@
-"""paco.teacher: the template teacher, the OpenAI-compatible backend (against a fake server on
+"""paco.judge.teacher: the template teacher, the OpenAI-compatible backend (against a fake server on
 127.0.0.1), the local transformers backend (tiny Qwen2.5-VL), fast mode and the factory."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter, ImageOps
 
-from paco.params import TeacherParams
-from paco.teacher import (
+from paco.core.params import TeacherParams
+from paco.judge.teacher import (
     LocalTeacher,
     OpenAITeacher,
     PairItem,
@@ -27,7 +27,7 @@ from paco.teacher import (
     measure_pair,
     template_reasons,
 )
-from paco.templates import format_response, judge_instruction, parse_response
+from paco.judge.templates import format_response, judge_instruction, parse_response
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def test_explain_checks_items():
 def test_make_teacher_defaults_and_errors(monkeypatch):
     t = make_teacher(None)
     assert isinstance(t, TemplateTeacher) and t.max_reasons == 3 and not t.fast
-    # one schema: the defaults are TeacherParams' (no second defaults table in paco.teacher)
+    # one schema: the defaults are TeacherParams' (no second defaults table in paco.judge.teacher)
     assert t.max_reasons == TeacherParams().max_reasons and t.size == TeacherParams().template.size
     with pytest.raises(TeacherConfigError, match=r"teacher\.bogus"):
         make_teacher({"bogus": 1})

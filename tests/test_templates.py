@@ -1,4 +1,4 @@
-"""paco.templates: reference template strings, formatting errors, chat layout, response format."""
+"""paco.judge.templates: reference template strings, formatting errors, chat layout, response format."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from paco import templates as T
-from paco.templates import (
+from paco.judge import templates as T
+from paco.judge.templates import (
     TEMPLATES,
     Template,
     build_messages,
@@ -26,7 +26,7 @@ from paco.templates import (
 
 # ---------------------------------------------------------------------------------------------
 # The reference strings, copied from X-GenGroup/PaCo-RL (commit cd3c428). They are written out
-# here independently of paco/templates.py so that an edit there cannot silently change them.
+# here independently of paco/judge/templates.py so that an edit there cannot silently change them.
 # ---------------------------------------------------------------------------------------------
 
 # PaCo-GRPO/paco_grpo/rewards/consistency_scorer.py, prompt_template_version == 1 (f-string with

@@ -58,12 +58,12 @@ class Stage:
         stage_plots: DVC stage-level plots ``{path: {"x": col, "y": col}}`` (outputs; usable with
             ``${key}`` in foreach stages, unlike the top-level ``plots``).
         continuable: dotted params keys a persisted run may continue across (``epochs``,
-            ``save_every``): left out of the run identity (:mod:`paco.run_identity`).
+            ``save_every``): left out of the run identity (:mod:`paco.core.run_identity`).
         evaluation: dotted params keys that change only the evaluation: left out of the run
             identity's training parts; a change re-runs the evaluation on the kept weights.
         launch: dotted params keys that only say how the stage is launched (``resources``).
         subprocesses: project modules the stage starts as processes of their own (the local
-            judge server ``paco/serve.py``): their import closure is the stage's code too.
+            judge server ``paco/judge/serve.py``): their import closure is the stage's code too.
 
     ``code`` is derived, not declared: :func:`code_closure` of the stage module (``stages/<module>.py``
     and every project module it imports, transitively), so editing any module a stage runs reruns
@@ -103,7 +103,7 @@ class Stage:
             # params are checked before the launch: an invalid file is one clear message and exit
             # code 2, not a message under torch-elastic's traceback from every process
             launch = (
-                f"python -m paco.params {PARAMS_FILE} && "
+                f"python -m paco.core.params {PARAMS_FILE} && "
                 f"accelerate launch --config_file workflow/accelerate/${{{res}.accelerate_config}}.yaml "
                 f"--num_processes ${{{res}.processes}} -m"
             )
@@ -176,9 +176,9 @@ class Member:
 ROOT = Path(__file__).resolve().parents[1]
 #: top-level packages whose modules are the project's code
 PROJECT_PACKAGES = ("paco", "stages")
-#: modules whose imports are not followed: ``paco.params`` validators import the reward
+#: modules whose imports are not followed: ``paco.core.params`` validators import the reward
 #: registry lazily, for the reward names only
-NOT_FOLLOWED = ("paco/params.py",)
+NOT_FOLLOWED = ("paco/core/params.py",)
 
 
 def _module_file(module: str) -> Path | None:
@@ -434,7 +434,7 @@ STAGES += (
         evaluation=tuple(f"grpo.${{key}}.eval.{k}" for k in ("resolution", "num_steps", "split", "max_prompts",
                                                               "batch_size")),
         launch=("grpo.${key}.resources",),
-        subprocesses=("paco/serve.py",),
+        subprocesses=("paco/judge/serve.py",),
         stage_plots=(
             {"data/grpo/${key}/plots/train.csv": {"x": "epoch", "y": "reward"}},
             {"data/grpo/${key}/plots/eval.csv": {"x": "epoch", "y": "reward"}},
@@ -462,7 +462,7 @@ STAGES += (
         out_dirs=("data/sample/${key}/sheets",),
         metrics=("data/sample/${key}/metrics.json",),
         launch=("sample.${key}.resources",),
-        subprocesses=("paco/serve.py",),
+        subprocesses=("paco/judge/serve.py",),
     ),
 )
 

@@ -13,12 +13,12 @@ hashing, no randomness) and the trained tokenizers are reproducible.
 
 from __future__ import annotations
 
-from paco.templates import CRITERIA_COT, T2IS_THEME
+from paco.judge.templates import CRITERIA_COT, T2IS_THEME
 
-#: The pairwise consistency prompt of PaCo-Reward (paper §3.1), from :mod:`paco.templates`.
+#: The pairwise consistency prompt of PaCo-Reward (paper §3.1), from :mod:`paco.judge.templates`.
 PAIRWISE_TEMPLATE = T2IS_THEME.text
 
-#: The criteria prompt (prompt-image alignment), from :mod:`paco.templates`.
+#: The criteria prompt (prompt-image alignment), from :mod:`paco.judge.templates`.
 CRITERIA_TEMPLATE = CRITERIA_COT.text
 
 #: Grid panel tags used in FLUX grid prompts.

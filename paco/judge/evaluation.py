@@ -3,8 +3,8 @@
 
 ConsistencyRank: each held-out ranking instance has a reference panel and 4 candidates; a
 scorer gives each (reference, candidate) a consistency score, the predicted order sorts
-candidates by score (:func:`paco.metrics.order_from_scores`) and is compared with the reference
-order by :func:`paco.metrics.consistency_rank_metrics`. Significance: a one-sample t-test of the
+candidates by score (:func:`paco.judge.metrics.order_from_scores`) and is compared with the reference
+order by :func:`paco.judge.metrics.consistency_rank_metrics`. Significance: a one-sample t-test of the
 per-instance accuracy against chance (0.25 for 4 candidates), on instances and, more
 conservatively, on per-prompt means (instances of one prompt share images), and a paired test
 of the trained judge against each baseline.
@@ -21,8 +21,8 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from paco.io import ArtifactError, decode_image
-from paco.metrics import chance_levels, chance_test, consistency_rank_metrics, order_from_scores
+from paco.core.io import ArtifactError, decode_image
+from paco.judge.metrics import chance_levels, chance_test, consistency_rank_metrics, order_from_scores
 
 #: scorer(list of (reference image, candidate image, instruction)) -> scores (higher = more consistent)
 PairScorer = Callable[[Sequence[tuple[Image.Image, Image.Image, str]]], list[float]]
@@ -115,11 +115,11 @@ def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy"
 
     Top-level keys (``mean``, ``p_value``, ``ci_low``, ``ci_high``, ``n``): one-sided ``a > b``
     t-test of the per-instance differences of ``metric`` against 0
-    (:func:`paco.metrics.chance_test`). ``per_prompt``: the same test on the per-prompt means of
+    (:func:`paco.judge.metrics.chance_test`). ``per_prompt``: the same test on the per-prompt means of
     the differences (instances of one prompt share panels and are not independent, so this is
     the conservative statement; ``n`` is the prompt count).
     """
-    from paco.metrics import rank_metrics
+    from paco.judge.metrics import rank_metrics
 
     merged = a.merge(b, on="instance_id", suffixes=("_a", "_b"), validate="one_to_one")
     diff = np.array(
@@ -175,7 +175,7 @@ def edit_accuracy(bench: pd.DataFrame, score_sc: PairScorer, score_pf: PairScore
     ``PF = P_yes(edit_pf)``, overall ``sqrt(SC * PF)`` (the reference GRPO editing reward);
     ``consistency`` uses SC, ``instruction_following`` PF, anything else the overall score.
     """
-    from paco.templates import EDIT_PF, EDIT_SC
+    from paco.judge.templates import EDIT_PF, EDIT_SC
 
     def scores(out_col: str) -> tuple[np.ndarray, np.ndarray]:
         sc = score_sc([(r.input_image, getattr(r, out_col), EDIT_SC.format(prompt=r.instruction)) for r in bench.itertuples()])

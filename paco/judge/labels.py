@@ -1,12 +1,12 @@
 """Chain-of-thought SFT targets for the judge (paper §3.1-3.2, Fig. 2), resumable.
 
-For every Yes/No pair a teacher (:mod:`paco.teacher`) writes 1-3 numbered reasons that justify
+For every Yes/No pair a teacher (:mod:`paco.judge.teacher`) writes 1-3 numbered reasons that justify
 the known label; the target is ``Yes. <reason>1. ... 2. ...</reason>`` (or bare ``Yes.`` /
 ``No.`` for the fast variant). The instruction is the T2IS theme template filled with the
 prompt's global description (the reference code's ``divide_prompt(prompt)[0]``).
 
 Progress is persisted per chunk of pairs under a progress directory, tagged with the stage's run
-identity (:mod:`paco.run_identity`: the ``labels`` params, the pair, panel and prompt tables, the
+identity (:mod:`paco.core.run_identity`: the ``labels`` params, the pair, panel and prompt tables, the
 code the stage runs): an interrupted run resumes with the chunks it finished; any change starts
 over. A chunk file that cannot be read, or does not hold exactly its chunk's pairs, is discarded
 with a warning naming it and labelled again; an unreadable identity marker clears the directory. Failed
@@ -25,9 +25,9 @@ from typing import Any
 
 import pandas as pd
 
-from paco.io import ArtifactError, decode_image, read_parquet, write_json, write_parquet
-from paco.templates import judge_instruction
-from paco.teacher import PairItem, Teacher
+from paco.core.io import ArtifactError, decode_image, read_parquet, write_json, write_parquet
+from paco.judge.templates import judge_instruction
+from paco.judge.teacher import PairItem, Teacher
 
 SFT_COLUMNS = [
     "pair_id", "instance_id", "prompt_id", "split", "instruction", "image_a", "image_b", "label",
@@ -36,7 +36,7 @@ SFT_COLUMNS = [
 _RESULT_COLUMNS = ["pair_id", "reasons", "response", "status", "error", "attempts"]
 _STATUSES = frozenset({"ok", "failed"})
 
-log = logging.getLogger("paco.labels")
+log = logging.getLogger("paco.judge.labels")
 
 
 def prepare_progress(progress_dir: Path, identity: str) -> int:

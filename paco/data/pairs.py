@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from paco.io import ArtifactError
+from paco.core.io import ArtifactError
 
 INSTANCE_COLUMNS = [
     "instance_id", "prompt_id", "split", "ref_panel_id", "ref_index", "candidate_index",

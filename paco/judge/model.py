@@ -11,9 +11,9 @@ from the first-token logits. ``answer_variants=True`` is the reference's ``canon
 ``P(Yes)`` and ``P(No)`` are the summed probabilities of every token whose text, stripped of
 surrounding whitespace and lower-cased, is ``yes`` / ``no`` (:func:`canonical_answer`). The
 reference sums over the ``top_logprobs`` (20) of a served reply, which is what
-:func:`paco.judge_client.yes_probability` does; in process (:class:`Judge`) the whole vocabulary
+:func:`paco.judge.client.yes_probability` does; in process (:class:`Judge`) the whole vocabulary
 is available and every such token is summed. Training targets are ``Yes. <reason>...</reason>``
-/ ``No. ...`` (:func:`paco.templates.format_response`), so the answer is the first response
+/ ``No. ...`` (:func:`paco.judge.templates.format_response`), so the answer is the first response
 token; :func:`check_answer_tokens` rejects a tokenizer for which that does not hold.
 
 Context length: a prompt plus its one answer token must fit the judge's context
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from PIL import Image
 
-from paco.losses import IGNORE_INDEX
-from paco.templates import NO, YES, build_messages, format_response
+from paco.judge.losses import IGNORE_INDEX
+from paco.judge.templates import NO, YES, build_messages, format_response
 
 def canonical_answer(text: Any) -> str | None:
     """``YES`` / ``NO`` if ``text.strip().lower()`` is ``"yes"`` / ``"no"``, else ``None``.

@@ -1,5 +1,5 @@
 """How PaCo-GRPO and final sampling reach the PaCo-Reward judge (the ``judge:`` params section):
-the served judge's URL for a stage's lifetime (``judge.url``, or a local ``python -m paco.serve``
+the served judge's URL for a stage's lifetime (``judge.url``, or a local ``python -m paco.judge.serve``
 of the merged judge), the reward context (judge client, CLIP scorer, instruction, grid cutting),
 the accelerator and the subtask's params.
 """
@@ -10,8 +10,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from paco.io import ArtifactError
-from paco.params import Params, ParamsError
+from paco.core.io import ArtifactError
+from paco.core.params import Params, ParamsError
 
 
 def subtask_params(params: Params, section: str, subtask: str):
@@ -24,10 +24,10 @@ def subtask_params(params: Params, section: str, subtask: str):
 
 @contextlib.contextmanager
 def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path | None):
-    """Yield the judge base URL: ``judge.url``, or a local ``paco.serve`` started by the main
+    """Yield the judge base URL: ``judge.url``, or a local ``paco.judge.serve`` started by the main
     process (the URL is broadcast to the other processes), logging to ``log_dir/judge_server.log``
     (a persisted directory: the server log of every run is kept)."""
-    from paco.judge_client import JudgeError, LocalJudgeServer
+    from paco.judge.client import JudgeError, LocalJudgeServer
 
     cfg = params.judge
     if cfg.url:
@@ -68,9 +68,9 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
 
 def make_reward_context(params: Params, url: str, clip_dir: Path):
     """The judge client and CLIP scorer the rewards use."""
-    from paco.clip import ClipScorer
-    from paco.judge_client import JudgeClient
-    from paco.rewards import RewardContext
+    from paco.models.clip import ClipScorer
+    from paco.judge.client import JudgeClient
+    from paco.grpo.rewards import RewardContext
 
     cfg = params.judge
     api_key = None

@@ -1,7 +1,7 @@
 """Chain-of-thought label teachers: justify a KNOWN pair label with 1-3 numbered reasons.
 
 The ``labels`` stage turns each pair ``(image A, image B, label)`` into an SFT example whose
-target is ``"Yes. <reason>1. ... 2. ...</reason>"`` (:func:`paco.templates.format_response`).
+target is ``"Yes. <reason>1. ... 2. ...</reason>"`` (:func:`paco.judge.templates.format_response`).
 The paper (§3.1) has GPT-5 write those reasons for human labels; here the reason writer is a
 backend behind one interface::
 
@@ -16,7 +16,7 @@ Backends:
   high-frequency energy, posterisation), phrased per consistency dimension (identity, style,
   logic). A Yes cites the most similar measurements, a No the most different ones.
 * ``openai``: any OpenAI-compatible ``/chat/completions`` endpoint, images as PNG data URLs, the
-  label stated in the instruction (:data:`paco.templates.TEACHER_COT`).
+  label stated in the instruction (:data:`paco.judge.templates.TEACHER_COT`).
 * ``local``: a transformers Qwen2.5-VL loaded from a directory, generating in-process.
 
 ``fast=True`` (any backend): the bare ``"Yes."``/``"No."`` target of PaCo-Reward-7B-Fast
@@ -26,7 +26,7 @@ A label is never changed: a teacher response that does not start with the expect
 retried and then recorded as failed (``ok=False`` with the reason in ``error``); every input item
 gets exactly one :class:`TeacherResult`, in input order.
 
-Params (the ``labels.teacher`` section, :class:`paco.params.TeacherParams`; :func:`make_teacher`)::
+Params (the ``labels.teacher`` section, :class:`paco.core.params.TeacherParams`; :func:`make_teacher`)::
 
     backend: template          # template | openai | local
     fast: false                # bare "Yes."/"No." targets, no teacher call
@@ -70,8 +70,8 @@ from typing import Any, Callable
 import numpy as np
 from PIL import Image
 
-from paco.http import PermanentHTTPError, TransientHTTPError, backoff_delay, request_json
-from paco.templates import (
+from paco.core.http import PermanentHTTPError, TransientHTTPError, backoff_delay, request_json
+from paco.judge.templates import (
     NO,
     YES,
     _as_bool,
@@ -115,7 +115,7 @@ class PairItem:
         image_a, image_b: the two panels (PIL, any mode/size).
         label: ``True`` = consistent ("Yes"), ``False`` = not ("No").
         theme: the set's theme (main prompt) or ``None`` (selects the judge question, see
-            :func:`paco.templates.judge_instruction`).
+            :func:`paco.judge.templates.judge_instruction`).
     """
 
     pair_id: str
@@ -133,7 +133,7 @@ class TeacherResult:
         pair_id: the item's id.
         ok: ``True`` when ``response`` is a valid, label-consistent target.
         reasons: the reasons (``[]`` for the fast variant and for failures).
-        response: the canonical target (:func:`paco.templates.format_response`); ``""`` when
+        response: the canonical target (:func:`paco.judge.templates.format_response`); ``""`` when
             ``ok`` is ``False``.
         error: why the item failed (contains the endpoint URL / model directory), else ``None``.
         attempts: teacher calls made for this item (``fast``: 0; ``template``: 1).
@@ -966,7 +966,7 @@ def make_teacher(cfg: Any = None, **overrides: Any) -> Teacher:
     """Build a teacher from the ``labels.teacher`` params section.
 
     Args:
-        cfg: a :class:`paco.params.TeacherParams`, or a mapping validated by it (missing keys take
+        cfg: a :class:`paco.core.params.TeacherParams`, or a mapping validated by it (missing keys take
             its defaults, the one schema of the section). ``None`` gives the default template
             teacher.
         **overrides: top-level keys overriding ``cfg`` (e.g. ``fast=True``).
@@ -980,7 +980,7 @@ def make_teacher(cfg: Any = None, **overrides: Any) -> Teacher:
     """
     from pydantic import ValidationError
 
-    from paco.params import TeacherParams, format_validation_errors
+    from paco.core.params import TeacherParams, format_validation_errors
 
     raw = cfg.model_dump() if hasattr(cfg, "model_dump") else dict(cfg or {})
     if not isinstance(raw, Mapping):

@@ -16,8 +16,8 @@ One epoch (the reference trainer's loop, ``train_flux.py`` of X-GenGroup/PaCo-RL
    the ``G`` trajectories of a prompt share their initial noise (``g = 0``) and differ only by the
    SDE noise: the group's reward differences then come from the trained steps alone.
 3. **Reward**: every reward of ``rewards`` (name -> weight) for every decoded grid
-   (:mod:`paco.rewards`); failures raise.
-4. **Advantages**: :func:`paco.advantages.aggregate` (``aggregation.method``, ``delta``,
+   (:mod:`paco.grpo.rewards`); failures raise.
+4. **Advantages**: :func:`paco.grpo.advantages.aggregate` (``aggregation.method``, ``delta``,
    ``train.global_std``), clipped to ``+-train.adv_clip_max``.
 5. **Update**: the epoch's trajectories are shuffled (``default_rng([seed + epoch, 1])``) and cut into
    ``train.gradient_steps_per_epoch`` equal mini-batches; each gives one AdamW step on the mean
@@ -46,7 +46,7 @@ Checkpoints (every ``save_every`` epochs and after the last): ``epoch-NNNN/`` wi
 old and EMA LoRA weights (``lora.safetensors``), the optimizer (``optimizer.pt``), the RNG
 states (``rng-<rank>.pt``) and ``trainer_state.json`` (run identity, epoch, history); the
 weights of every evaluation are kept in ``eval-weights/``. A rerun resumes from the newest
-readable checkpoint written under the same run identity (:mod:`paco.run_identity`: every
+readable checkpoint written under the same run identity (:mod:`paco.core.run_identity`: every
 declared dep, code file and params key except ``epochs``, ``save_every``, ``resources`` and the
 evaluation keys, plus the process count and device type) that is not past ``epochs``, else
 starts fresh and says why; so raising ``epochs`` continues a finished run, and a change of the
@@ -72,16 +72,16 @@ import numpy as np
 import pandas as pd
 import torch
 
-from paco import checkpoints as ckpt
-from paco.advantages import aggregate, weighted_sum
-from paco.seeding import stable_seed
-from paco.io import write_json
-from paco.params import GrpoSubtaskParams, ParamsError
-from paco.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, PromptEmbeds, grid_size
-from paco.rewards import PromptInfo, RewardContext, compute_rewards
-from paco.run_identity import RunIdentity
+from paco.core import checkpoints as ckpt
+from paco.grpo.advantages import aggregate, weighted_sum
+from paco.core.seeding import stable_seed
+from paco.core.io import write_json
+from paco.core.params import GrpoSubtaskParams, ParamsError
+from paco.grpo.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, PromptEmbeds, grid_size
+from paco.grpo.rewards import PromptInfo, RewardContext, compute_rewards
+from paco.core.run_identity import RunIdentity
 
-log = logging.getLogger("paco.grpo")
+log = logging.getLogger("paco.grpo.trainer")
 
 STATE_FILE = ckpt.STATE_FILE
 CHECKPOINT_PREFIX = "epoch-"
@@ -446,7 +446,7 @@ def check_splits(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, section: str = "
     no prompt.
 
     Raises:
-        paco.params.ParamsError: naming the key, the value and the splits there are.
+        paco.core.params.ParamsError: naming the key, the value and the splits there are.
     """
     splits = sorted(set(prompts["split"].astype(str)))
     for key, name in (("split", cfg.split), ("eval.split", cfg.eval.split)):
@@ -461,11 +461,11 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
     old) and build the optimizer and the EMA.
 
     Raises:
-        paco.params.ParamsError: a split without prompts, too few prompts for ``prompts_per_epoch`` or too few
+        paco.core.params.ParamsError: a split without prompts, too few prompts for ``prompts_per_epoch`` or too few
             trajectories for the gradient steps.
     """
     from paco.models.loading import load_flux_pipeline
-    from paco.stage import cpu_threads_per_process
+    from paco.core.stage import cpu_threads_per_process
 
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
@@ -547,7 +547,7 @@ def _load_checkpoint(path: Path, rank: int, with_ema: bool) -> dict[str, Any]:
 
 def resume(run: GrpoRun) -> GrpoState:
     """The state to continue from: the newest readable checkpoint written under the same run
-    identity (:func:`paco.checkpoints.find_resumable`; decided by the main process and broadcast),
+    identity (:func:`paco.core.checkpoints.find_resumable`; decided by the main process and broadcast),
     with the adapters, EMA, optimizer and RNG states restored, or a fresh state. A checkpoint past
     ``epochs`` (a longer run's) is not resumed. Evaluations not on this run's schedule
     (:func:`evaluation_epochs`; a shorter run's final one) are dropped."""
@@ -643,7 +643,7 @@ def reward(run: GrpoRun, roll: Rollout) -> dict[str, np.ndarray]:
     reward name -> ``(K * G,)`` float64 in trajectory order.
 
     Raises:
-        paco.rewards.RewardError, paco.judge_client.JudgeError: a reward failed.
+        paco.grpo.rewards.RewardError, paco.judge.client.JudgeError: a reward failed.
         RuntimeError: the gathered rewards do not cover the epoch exactly once.
     """
     cfg = run.cfg
@@ -668,7 +668,7 @@ class Advantages:
 
 
 def advantages(run: GrpoRun, rewards: dict[str, np.ndarray], chosen: Sequence[str]) -> Advantages:
-    """Group advantages of the epoch (:func:`paco.advantages.aggregate`: ``aggregation.method``,
+    """Group advantages of the epoch (:func:`paco.grpo.advantages.aggregate`: ``aggregation.method``,
     ``delta``, ``train.global_std``), clipped to ``+-train.adv_clip_max``."""
     cfg, t = run.cfg, run.cfg.train
     group_ids = [chosen[i // cfg.group_size] for i in range(run.n_traj)]
@@ -898,7 +898,7 @@ def train_grpo(
         prompts: ``prompts.parquet`` rows (``split`` selects train / eval prompts).
         policy_dir: the FLUX pipeline directory (``models`` stage).
         ctx: reward models (judge client, CLIP, instruction, grid splitting).
-        identity: the stage's run identity (:func:`paco.run_identity.stage_identity`); the
+        identity: the stage's run identity (:func:`paco.core.run_identity.stage_identity`); the
             process count and device type are added here.
         lora_dir: the final LoRA (EMA weights if enabled) in diffusers' format
             (``pytorch_lora_weights.safetensors``, loadable with ``FluxPipeline.load_lora_weights``)
@@ -916,7 +916,7 @@ def train_grpo(
     Raises:
         ValueError: an empty split, too few prompts for ``prompts_per_epoch`` or for the
             gradient steps.
-        paco.rewards.RewardError, paco.judge_client.JudgeError: a reward failed.
+        paco.grpo.rewards.RewardError, paco.judge.client.JudgeError: a reward failed.
         FloatingPointError: a non-finite loss.
     """
     t_start = time.perf_counter()
@@ -1032,7 +1032,7 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
 
 def save_lora(policy: FluxPolicy, cfg: GrpoSubtaskParams, lora_dir: str | os.PathLike[str]) -> None:
     """Write the trained adapter's current weights as a diffusers FLUX LoRA (atomically, with
-    deterministic bytes: :func:`paco.checkpoints.canonicalise_safetensors`)."""
+    deterministic bytes: :func:`paco.core.checkpoints.canonicalise_safetensors`)."""
     from diffusers import FluxPipeline
 
     target = Path(lora_dir)

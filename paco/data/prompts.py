@@ -71,7 +71,7 @@ Panel prompts are returned in row-major order of their tags' positions, not in t
 
 Errors
 ------
-:class:`PromptFormatError` (an :class:`~paco.io.ArtifactError`, so a ``ValueError``) with the
+:class:`PromptFormatError` (an :class:`~paco.core.io.ArtifactError`, so a ``ValueError``) with the
 file, 1-based line number and reason, for: a line that is not valid UTF-8 (names the byte and
 its column), invalid JSON or a non-object line, a missing key, a wrong type or empty required
 string, a criterion text that is neither a string nor ``null``, a criteria dimension with no
@@ -99,8 +99,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from paco.io import ArtifactError, iter_text_lines
-from paco.photos import SUBJECTS
+from paco.core.io import ArtifactError, iter_text_lines
+from paco.data.photos import SUBJECTS
 
 __all__ = [
     "PROMPT_COLUMNS",

@@ -3,7 +3,7 @@
 - ``generate``: the policy pipeline (FLUX.1) renders each prompt's grid prompt for N seeds
   (paper §3.1: 4 seeds per prompt, 1024 x 1024, 2x2);
 - ``import``: a folder of existing composites plus a manifest;
-- ``photos``: grids built from real photographs (:mod:`paco.photos`, the embedded default).
+- ``photos``: grids built from real photographs (:mod:`paco.data.photos`, the embedded default).
 
 Every source returns the same columns: composite_id (``<prompt_id>-s<seed>`` for generated and
 photo composites), prompt_id, seed, image (PNG cell), height, width; ``photos`` adds its ground
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from paco.io import ArtifactError, ImageDecodeError, encode_image, iter_text_lines, load_image
-from paco.params import GenerateParams, ImportParams
-from paco.seeding import stable_seed
+from paco.core.io import ArtifactError, ImageDecodeError, encode_image, iter_text_lines, load_image
+from paco.core.params import GenerateParams, ImportParams
+from paco.core.seeding import stable_seed
 
 COMPOSITE_COLUMNS = ["composite_id", "prompt_id", "seed", "image", "height", "width"]
 
@@ -236,9 +236,9 @@ def import_composites(
 ) -> tuple[pd.DataFrame, list[dict[str, Any]], dict[str, Any]]:
     """Load existing composites listed in ``<cfg.dir>/<cfg.manifest>``.
 
-    Each image is decoded by :func:`paco.io.load_image` with ``max_pixels=cfg.max_pixels``: EXIF
+    Each image is decoded by :func:`paco.core.io.load_image` with ``max_pixels=cfg.max_pixels``: EXIF
     orientation applied, 16-bit greyscale scaled to 8 bits, alpha composited onto
-    :data:`paco.io.ALPHA_BACKGROUND` (white), then stored as an RGB PNG cell.
+    :data:`paco.core.io.ALPHA_BACKGROUND` (white), then stored as an RGB PNG cell.
 
     Returns:
         ``(composites, skipped, conversions)``. ``composites`` has ``COMPOSITE_COLUMNS``.
@@ -255,8 +255,8 @@ def import_composites(
         ArtifactError: a prompt_id that is not in the prompts.
         ManifestRowError: (strict) a bad row (names row, field and file);
             :class:`CompositeFileMissingError` for a missing file.
-        ImageDecodeError: (strict) an unreadable image; :class:`paco.io.ImageTooLargeError`
-            above ``cfg.max_pixels``; :class:`paco.io.UnsupportedImageModeError`. The message
+        ImageDecodeError: (strict) an unreadable image; :class:`paco.core.io.ImageTooLargeError`
+            above ``cfg.max_pixels``; :class:`paco.core.io.UnsupportedImageModeError`. The message
             names the manifest row, the composite_id and the file.
     """
     folder = Path(cfg.dir)

@@ -2,7 +2,7 @@
 
 Paper §3.1 / §3.2: the judge (Qwen2.5-VL) reads ``[image A, image B, instruction]`` and is
 trained to answer ``Yes. <reason>...</reason>`` / ``No. ...``; the answer token's loss is
-weighted by ``first_token_weight`` (:func:`paco.losses.first_token_weighted_loss`). Only the
+weighted by ``first_token_weight`` (:func:`paco.judge.losses.first_token_weighted_loss`). Only the
 language model gets LoRA adapters; the vision tower and the patch merger stay frozen.
 
 Public API
@@ -69,7 +69,7 @@ writes ``<checkpoints>/step-NNNNNNN/`` (LoRA weights only via a save hook, optim
 scheduler, RNG states of every process) plus ``trainer_state.json`` (run identity, epoch,
 steps done in that epoch, global step, the logged history). It is written to a hidden temp
 directory and renamed, and only the last two are kept. At start the newest readable checkpoint
-is resumed if it was written under the same run identity (:mod:`paco.run_identity`: the sft
+is resumed if it was written under the same run identity (:mod:`paco.core.run_identity`: the sft
 table, the base model, every code file the stage runs, the ``reward_train`` params except
 ``checkpoint_every``, the process count and device type; ``epochs`` is part of it, since the
 learning-rate schedule spans all epochs); otherwise the checkpoints are removed and training
@@ -106,15 +106,15 @@ import pandas as pd
 import torch
 from PIL import Image
 
-from paco import checkpoints as ckpt
-from paco.io import ArtifactError, decode_image, read_parquet, write_json
-from paco.judge import AnswerTokens, check_answer_tokens, encode_sft, p_yes_from_logits
-from paco.losses import IGNORE_INDEX, answer_positions, first_token_weighted_loss
-from paco.params import LoraParams, PairAugmentParams, RewardTrainParams
-from paco.run_identity import RunIdentity
-from paco.stage import cpu_threads_per_process
+from paco.core import checkpoints as ckpt
+from paco.core.io import ArtifactError, decode_image, read_parquet, write_json
+from paco.judge.model import AnswerTokens, check_answer_tokens, encode_sft, p_yes_from_logits
+from paco.judge.losses import IGNORE_INDEX, answer_positions, first_token_weighted_loss
+from paco.core.params import LoraParams, PairAugmentParams, RewardTrainParams
+from paco.core.run_identity import RunIdentity
+from paco.core.stage import cpu_threads_per_process
 
-log = logging.getLogger("paco.reward_train")
+log = logging.getLogger("paco.judge.training")
 
 SFT_COLUMNS = ("pair_id", "split", "instruction", "image_a", "image_b", "label", "response", "status")
 STATE_FILE = ckpt.STATE_FILE
@@ -233,7 +233,7 @@ def row_images(row: SftRow, aug: PairAugmentParams | None = None, *, seed: int =
 
 def encode_rows(processor: Any, rows: Sequence[SftRow], answer: AnswerTokens,
                 images: Sequence[tuple[Image.Image, Image.Image]] | None = None) -> dict[str, torch.Tensor]:
-    """:func:`paco.judge.encode_sft` of ``rows`` (decoding the PNGs, or the given ``images``, one
+    """:func:`paco.judge.model.encode_sft` of ``rows`` (decoding the PNGs, or the given ``images``, one
     ``(image_a, image_b)`` per row), checking that each row's first response token is the
     answer token of its label.
 
@@ -529,7 +529,7 @@ def train_reward(
         sft: ``sft.parquet`` path (or its DataFrame); trains on ``split == "train"`` and
             evaluates on ``split == "test"``, rows with ``status == "ok"`` only.
         base_dir: the base judge directory (``models`` stage ``judge_base``).
-        identity: the stage's run identity (:func:`paco.run_identity.stage_identity`); the
+        identity: the stage's run identity (:func:`paco.core.run_identity.stage_identity`); the
             process count and device type are added here.
         adapter_dir: where the PEFT adapter (``adapter_config.json``,
             ``adapter_model.safetensors``) is written by the main process, via a temp dir and a

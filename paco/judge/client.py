@@ -1,4 +1,4 @@
-"""Client of a served judge (``paco.serve`` on CPU, ``vllm serve`` on GPUs) and the lifecycle of
+"""Client of a served judge (``paco.judge.serve`` on CPU, ``vllm serve`` on GPUs) and the lifecycle of
 a local judge server.
 
 The score of a pair is PaCo-Reward's ``P(Yes) / (P(Yes) + P(No))`` of the first generated token
@@ -13,7 +13,7 @@ that answers neither is not a judge that says "inconsistent").
 
 Failures never become scores: a request that still fails after ``retries`` retries with
 exponential backoff raises :class:`JudgeError` naming the URL and the HTTP status. A prompt too
-long for the judge's context (the server's 400, from ``paco.serve`` or vLLM) raises
+long for the judge's context (the server's 400, from ``paco.judge.serve`` or vLLM) raises
 :class:`JudgeContextLengthError` with the token count and the limit (the reference retries and
 then scores such a pair 0.0).
 """
@@ -36,11 +36,11 @@ from typing import Any
 
 from PIL import Image
 
-from paco.http import HTTPRequestError, request_json, with_retries
-from paco.judge import canonical_answer
-from paco.templates import NO, YES, build_openai_messages, png_bytes
+from paco.core.http import HTTPRequestError, request_json, with_retries
+from paco.judge.model import canonical_answer
+from paco.judge.templates import NO, YES, build_openai_messages, png_bytes
 
-log = logging.getLogger("paco.judge_client")
+log = logging.getLogger("paco.judge.client")
 
 
 class JudgeError(RuntimeError):
@@ -61,7 +61,7 @@ class JudgeContextLengthError(JudgeError):
         self.limit = limit
 
 
-# the refusal's wording in paco.serve and vLLM's OpenAI server (two generations of it)
+# the refusal's wording in paco.judge.serve and vLLM's OpenAI server (two generations of it)
 _CONTEXT_PATTERNS = (
     (re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens \((\d+) in the messages"),
      ("limit", "n")),
@@ -86,7 +86,7 @@ def yes_probability(top_logprobs: Sequence[dict[str, Any]], *, answer_variants: 
         top_logprobs: ``[{"token": str, "logprob": float}, ...]`` (OpenAI / vLLM layout).
         answer_variants: the reference's ``canonicalize=True``: ``P(Yes)`` / ``P(No)`` sum the
             probabilities of every entry whose token, stripped and lower-cased, is ``yes`` /
-            ``no`` (:func:`paco.judge.canonical_answer`; ``" yes"``, ``"YES\\n"`` count,
+            ``no`` (:func:`paco.judge.model.canonical_answer`; ``" yes"``, ``"YES\\n"`` count,
             ``"Yes."`` does not). Off: only the exact tokens ``Yes`` and ``No``.
 
     Returns:
@@ -262,14 +262,14 @@ class JudgeClient:
 
 
 class LocalJudgeServer:
-    """Run ``python -m paco.serve`` on a free localhost port for the duration of a ``with``.
+    """Run ``python -m paco.judge.serve`` on a free localhost port for the duration of a ``with``.
 
     ``__enter__`` starts the process, waits until ``/health`` answers (or the process dies, or
     ``startup_timeout_s`` passes), checks that ``/v1/models`` lists ``served_model_name``, and
     returns the base URL (``http://127.0.0.1:<port>/v1``). ``__exit__`` stops it (SIGTERM, then
     SIGKILL after 10 s). The server's log goes to ``log_path`` (default: a temp file), whose tail
     is quoted if it fails to start. ``batching`` and ``max_model_len`` are the server's
-    ``--batching`` (default ``auto``: batch-invariant, see :mod:`paco.serve`) and
+    ``--batching`` (default ``auto``: batch-invariant, see :mod:`paco.judge.serve`) and
     ``--max-model-len`` (``None``: the model's ``max_position_embeddings``).
 
     Raises:
@@ -307,7 +307,7 @@ class LocalJudgeServer:
         port_file = Path(self._tmp.name) / "port"
         self._log_file = self.log_path or Path(self._tmp.name) / "server.log"
         self._log_file.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "paco.serve", "--model", str(self.model_dir),
+        cmd = [sys.executable, "-m", "paco.judge.serve", "--model", str(self.model_dir),
                "--served-model-name", self.served_model_name, "--host", "127.0.0.1", "--port", "0",
                "--port-file", str(port_file), "--max-batch-size", str(self.max_batch_size),
                "--max-wait-ms", str(self.max_wait_ms), "--threads", str(self.threads), "--device", self.device,

@@ -205,7 +205,7 @@ def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: st
         member: a stage name or foreach member name.
         params_path: the params file the stage runs with (``params.yaml``).
         root: the directory the registry's relative paths are resolved against.
-        params: the already validated :class:`paco.params.Params` of ``params_path`` (loaded
+        params: the already validated :class:`paco.core.params.Params` of ``params_path`` (loaded
             here if ``None``).
         args: the stage's parsed command line: a declared dep passed as ``--flag`` is hashed at
             the path the command line gives (the part keeps the declared name), so a stage run by
@@ -213,12 +213,12 @@ def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: st
 
     Raises:
         KeyError: ``member`` is not in the registry.
-        paco.params.ParamsError: the params file is invalid.
+        paco.core.params.ParamsError: the params file is invalid.
         OSError: a dependency cannot be read.
     """
     import yaml
 
-    from paco.params import load_params
+    from paco.core.params import load_params
 
     params = params if params is not None else load_params(params_path)
     raw = yaml.safe_load(Path(params_path).read_text()) or {}

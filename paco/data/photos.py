@@ -60,9 +60,9 @@ import numpy as np
 import pandas as pd
 from PIL import Image, ImageFilter
 
-from paco.io import encode_image
-from paco.seeding import stable_hash
-from paco.params import PhotosParams
+from paco.core.io import encode_image
+from paco.core.seeding import stable_hash
+from paco.core.params import PhotosParams
 
 __all__ = [
     "DRIFT_STYLES",

@@ -7,7 +7,7 @@ At paper scale the judge is served by vLLM on GPUs::
 and the GRPO stage is pointed at it with ``judge.url: http://<host>:8000/v1``. This module is
 the same protocol on a small transformers backend, for CPUs and tests::
 
-    python -m paco.serve --model data/reward_merge/model --served-model-name paco-reward --port 8000
+    python -m paco.judge.serve --model data/reward_merge/model --served-model-name paco-reward --port 8000
 
 Endpoints:
 
@@ -28,7 +28,7 @@ Batching (``--batching``): request threads put their item in a queue; one worker
 the first waiting item, then keeps taking items until ``max_batch_size`` are collected or
 ``max_wait_ms`` have passed since the first. What it does with them depends on the mode:
 
-* ``same_shape``: each request is encoded alone (:meth:`paco.judge.Judge.encode`, no padding);
+* ``same_shape``: each request is encoded alone (:meth:`paco.judge.model.Judge.encode`, no padding);
   requests whose encodings have identical shapes (token count, image grids, pixel rows) are
   concatenated along the batch and scored in one forward pass, each other shape in its own.
   Nothing is padded, and every row goes through the same per-row computation whatever the batch,
@@ -50,7 +50,7 @@ Context length: a request whose prompt (image tokens included) plus its one answ
 exceeds ``--max-model-len`` (default: the model's ``max_position_embeddings``) is a 400 whose
 message starts as vLLM's (``This model's maximum context length is 4096 tokens. However, you
 requested 9688 tokens (9687 in the messages, 1 in the completion).``); nothing is truncated
-(see :class:`paco.judge.JudgeContextError`). ``/v1/models`` reports ``max_model_len``.
+(see :class:`paco.judge.model.JudgeContextError`). ``/v1/models`` reports ``max_model_len``.
 
 Errors: a malformed request is a 400 with the reason, an unknown model name a 404 (vLLM's
 behaviour). An input the judge's processor refuses (``ValueError``, e.g. an extreme aspect
@@ -81,10 +81,10 @@ from typing import Any
 
 import torch
 
-from paco.io import ImageDecodeError, decode_image
-from paco.judge import JudgeContextError
+from paco.core.io import ImageDecodeError, decode_image
+from paco.judge.model import JudgeContextError
 
-log = logging.getLogger("paco.serve")
+log = logging.getLogger("paco.judge.serve")
 
 #: The largest ``top_logprobs`` accepted by default (vLLM's default ``--max-logprobs``).
 MAX_TOP_LOGPROBS = 20
@@ -205,7 +205,7 @@ class BatchingJudge:
     """Scores queued requests in batches on one worker thread (see the module docstring).
 
     Args:
-        judge: a :class:`paco.judge.Judge` (its ``batch_size`` is not used here); the worker
+        judge: a :class:`paco.judge.model.Judge` (its ``batch_size`` is not used here); the worker
             calls its ``encode`` and ``logits``.
         max_batch_size: at most this many requests collected per round.
         max_wait_ms: after the first request of a round arrives, wait at most this long for more.
@@ -237,7 +237,7 @@ class BatchingJudge:
 
     def submit(self, triple: tuple[Any, Any, str], top_k: int) -> Future:
         """Queue one request; the future resolves to ``(token_id, logprob, [(id, logprob), ...])``
-        or raises (:class:`paco.judge.JudgeContextError` / ``ValueError`` for a refused input)."""
+        or raises (:class:`paco.judge.model.JudgeContextError` / ``ValueError`` for a refused input)."""
         item = _Item(triple, top_k)
         with self._lock:
             self.requests += 1
@@ -473,7 +473,7 @@ def make_server(judge: Any, served_model_name: str, host: str = "127.0.0.1", por
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m paco.serve", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m paco.judge.serve", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="merged judge directory (reward_merge output) or any judge dir")
     p.add_argument("--served-model-name", required=True, help="the `model` name clients must send")
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    from paco.judge import Judge
+    from paco.judge.model import Judge
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     judge = Judge.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=device,
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
              server.batcher.batching, args.max_batch_size, args.max_wait_ms, judge.max_model_len,
              torch.get_num_threads())
     if args.port_file:
-        from paco.io import atomic_write_bytes
+        from paco.core.io import atomic_write_bytes
 
         atomic_write_bytes(args.port_file, str(port).encode())
 

@@ -14,7 +14,7 @@ three policies coincide. The VAE and text encoders are frozen.
 
 Sampling follows FluxPipeline (prompt encoding, packed latents, FLUX's shifted sigmas,
 guidance embedding, ``timestep / 1000`` conditioning) with one difference: at the step indices
-in ``sde_indices`` the update is the Flow-GRPO SDE step (:func:`paco.sde.sde_step`) with noise
+in ``sde_indices`` the update is the Flow-GRPO SDE step (:func:`paco.grpo.sde.sde_step`) with noise
 level ``a``, elsewhere the deterministic Euler step (the same function with ``a = 0``, which is
 exactly ``FlowMatchEulerDiscreteScheduler.step``). The latents before and after each SDE step
 are kept, with the step's log-prob, so the transition can be re-scored during training.
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from paco.sde import flux_sigmas, sde_step
+from paco.grpo.sde import flux_sigmas, sde_step
 
-log = logging.getLogger("paco.policy")
+log = logging.getLogger("paco.grpo.policy")
 
 TRAINED_ADAPTER = "default"
 OLD_ADAPTER = "old"
@@ -232,7 +232,7 @@ class FluxPolicy:
         )[0]
 
     def schedule(self, height: int, width: int, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sigmas (N+1,), timesteps (N,))`` for this image size (:func:`paco.sde.flux_sigmas`)."""
+        """``(sigmas (N+1,), timesteps (N,))`` for this image size (:func:`paco.grpo.sde.flux_sigmas`)."""
         vsf = self.pipe.vae_scale_factor
         seq = (int(height) // (vsf * 2)) * (int(width) // (vsf * 2))
         return flux_sigmas(self.pipe.scheduler, num_steps, seq)
@@ -256,7 +256,7 @@ class FluxPolicy:
                 continuing their streams).
             sigma_max: ``"schedule"`` (the released code: the schedule's second sigma) or a
                 number in ``(0, 1)``; used only by an SDE step at index 0 (see
-                :func:`paco.sde.sde_step`).
+                :func:`paco.grpo.sde.sde_step`).
 
         Returns:
             A :class:`Rollout`.
@@ -306,7 +306,7 @@ class FluxPolicy:
         """Log-prob of the transitions ``x -> x_next`` under the active adapter (with grad if
         enabled): ``(log_prob (B,), mean (B, seq, C), std (B, 1, 1))``, all float32.
         ``sigma_max`` must be the value the transition was sampled with (``"schedule"`` needs no
-        schedule here: a step from ``sigma = 1`` uses its ``sigma_next``, :func:`paco.sde.sde_step`)."""
+        schedule here: a step from ``sigma = 1`` uses its ``sigma_next``, :func:`paco.grpo.sde.sde_step`)."""
         B = x.shape[0]
         img_ids = self.latent_ids(B, height, width)
         v = self.velocity(x, timestep.expand(B).to(self.device), embeds, img_ids)

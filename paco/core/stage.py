@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from paco.io import ArtifactError, write_json
-from paco.params import Params, ParamsError, load_params
+from paco.core.io import ArtifactError, write_json
+from paco.core.params import Params, ParamsError, load_params
 
 log = logging.getLogger("paco")
 

@@ -1,6 +1,6 @@
 """The panel table: composites -> one row per sub-figure (``panels.parquet``, DESIGN.md §2).
 
-Box finding is :func:`paco.subfigures.split_grid`; this module joins composites with their
+Box finding is :func:`paco.data.subfigures.split_grid`; this module joins composites with their
 layouts, decodes and crops, assigns stable panel IDs (``<composite_id>-p<index>``, index
 row-major), carries the ``photos`` source's drift level through, and scores boxes against true
 ones when the composites record them.
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from paco.io import ArtifactError, ImageDecodeError, decode_image, encode_image
-from paco.subfigures import box_iou, crop_panels, split_grid
+from paco.core.io import ArtifactError, ImageDecodeError, decode_image, encode_image
+from paco.data.subfigures import box_iou, crop_panels, split_grid
 
 PANEL_COLUMNS = [
     "panel_id", "composite_id", "prompt_id", "seed", "row", "col", "index", "bbox", "image", "level",
@@ -42,7 +42,7 @@ def extract_panels(
         composites: ``composites.parquet`` rows (composite_id, prompt_id, seed, image; optional
             ``panel_bboxes`` true boxes and ``panel_levels`` drift levels).
         prompts: ``prompts.parquet`` rows (prompt_id, rows, cols).
-        method, tolerance: passed to :func:`paco.subfigures.split_grid`.
+        method, tolerance: passed to :func:`paco.data.subfigures.split_grid`.
         strict: an undecodable composite raises; otherwise it is skipped and reported.
 
     Returns:

@@ -21,14 +21,14 @@ import pandas as pd
 import torch
 from PIL import Image, ImageDraw
 
-from paco.seeding import stable_seed
-from paco.io import encode_image
-from paco.params import SampleSubtaskParams
-from paco.policy import FluxPolicy, grid_size
-from paco.rewards import PromptInfo, RewardContext, compute_rewards
-from paco.subfigures import crop_panels
+from paco.core.seeding import stable_seed
+from paco.core.io import encode_image
+from paco.core.params import SampleSubtaskParams
+from paco.grpo.policy import FluxPolicy, grid_size
+from paco.grpo.rewards import PromptInfo, RewardContext, compute_rewards
+from paco.data.subfigures import crop_panels
 
-log = logging.getLogger("paco.sampling")
+log = logging.getLogger("paco.grpo.final_samples")
 
 VARIANTS = ("base", "lora")
 SAMPLE_COLUMNS = ["sample_id", "prompt_id", "seed", "variant", "height", "width", "image", "panels", "bboxes"]
@@ -86,8 +86,8 @@ def final_samples(cfg: SampleSubtaskParams, prompts: pd.DataFrame, policy_dir: s
         paired t-test p-value, fraction of samples improved).
 
     Raises:
-        ValueError: no prompt in the split. paco.rewards.RewardError /
-            paco.judge_client.JudgeError: a reward failed.
+        ValueError: no prompt in the split. paco.grpo.rewards.RewardError /
+            paco.judge.client.JudgeError: a reward failed.
     """
     from diffusers import FluxPipeline  # noqa: F401 - load_lora_weights lives on the pipeline
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from paco.run_identity import RunIdentity
+from paco.core.run_identity import RunIdentity
 
 STATE_FILE = "trainer_state.json"
 

@@ -5,7 +5,7 @@ composite image.
 name           what it measures (source)
 =============  ===================================================================================
 consistency    PaCo-Reward: the grid is cut into its ``rows x cols`` panels (the ``subfigures``
-               code, :func:`paco.subfigures.split_grid`), every panel pair ``(i, j)``, ``i < j``,
+               code, :func:`paco.data.subfigures.split_grid`), every panel pair ``(i, j)``, ``i < j``,
                panel ``i`` first, is scored by the served judge with the T2IS theme template
                (the prompt's global description as the theme) or the theme-free template, and the
                scores are averaged (2x2: 6 pairs). Reference: ``consistency_scorer.py``
@@ -18,7 +18,7 @@ pickscore      CLIP score of the whole grid against the whole prompt, ``logit_sc
 =============  ===================================================================================
 
 A reward function never hides a failure: an unreachable judge raises
-:class:`paco.judge_client.JudgeError`, and a NaN or infinite value raises
+:class:`paco.judge.client.JudgeError`, and a NaN or infinite value raises
 :class:`RewardError` naming the reward and the sample (:func:`compute_rewards`).
 """
 
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from paco.subfigures import crop_panels, split_grid
-from paco.templates import judge_instruction
+from paco.data.subfigures import crop_panels, split_grid
+from paco.judge.templates import judge_instruction
 
 #: The reference's PickScore normaliser ("norm to 0-1": ``scores / 26``).
 PICKSCORE_SCALE = 26.0
@@ -66,8 +66,8 @@ class RewardContext:
 
     Attributes:
         judge: anything with ``score(triples) -> list[float]`` (a
-            :class:`paco.judge_client.JudgeClient`); needed by ``consistency``.
-        clip: a :class:`paco.clip.ClipScorer`; needed by ``clip_t`` and ``pickscore``.
+            :class:`paco.judge.client.JudgeClient`); needed by ``consistency``.
+        clip: a :class:`paco.models.clip.ClipScorer`; needed by ``clip_t`` and ``pickscore``.
         instruction: ``theme`` (the T2IS theme template, paper) or ``rank`` (theme-free).
         split_method, tolerance: how grids are cut (``subfigures`` params).
     """
@@ -79,7 +79,7 @@ class RewardContext:
     tolerance: float = 0.08
 
     def panel_boxes(self, image: Image.Image, prompt: PromptInfo) -> list[tuple[int, int, int, int]]:
-        """The grid's ``rows x cols`` panel boxes (:func:`paco.subfigures.split_grid`)."""
+        """The grid's ``rows x cols`` panel boxes (:func:`paco.data.subfigures.split_grid`)."""
         return split_grid(image, prompt.rows, prompt.cols, method=self.split_method, tolerance=self.tolerance)
 
     def panels(self, image: Image.Image, prompt: PromptInfo) -> list[Image.Image]:
@@ -114,7 +114,7 @@ def consistency(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ct
     """Mean judge score over all panel pairs of each grid (see the module table).
 
     Returns ``(n,)`` float64 in [0, 1]. Raises :class:`RewardError` for a grid of fewer than two
-    panels, :class:`paco.judge_client.JudgeError` when the judge fails.
+    panels, :class:`paco.judge.client.JudgeError` when the judge fails.
     """
     judge = _need(ctx.judge, "judge", "consistency")
     triples, owner = [], []
@@ -168,7 +168,7 @@ def compute_rewards(names: Sequence[str], images: Sequence[Image.Image], prompts
         KeyError: an unknown reward name (the message lists the registry).
         RewardError: a reward returned the wrong shape or a non-finite value (the message names
             the reward, the sample index and its prompt).
-        paco.judge_client.JudgeError: the judge failed (never replaced by a default score).
+        paco.judge.client.JudgeError: the judge failed (never replaced by a default score).
     """
     if len(images) != len(prompts):
         raise ValueError(f"{len(images)} images but {len(prompts)} prompts")

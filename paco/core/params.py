@@ -17,7 +17,7 @@ are floats, as in YAML 1.2 (what DVC reads), not strings as in PyYAML's YAML 1.1
 Check a file without running a stage (``dvc repro`` runs no stage when only a section that no
 stage declares changed, e.g. a misspelled ``reward_trian:``)::
 
-    python -m paco.params [params.yaml]     # exit 0 and one OK line, or exit 2 and the errors
+    python -m paco.core.params [params.yaml]     # exit 0 and one OK line, or exit 2 and the errors
 
 Nothing here derives values at import time; derived quantities are computed by the stages and
 written to their metrics.
@@ -186,7 +186,7 @@ class CompositesParams(_Section):
 
 
 class SubfiguresParams(_Section):
-    """Cutting composites into panels (see ``paco.subfigures.split_grid``)."""
+    """Cutting composites into panels (see ``paco.data.subfigures.split_grid``)."""
 
     method: Literal["refine", "equal"] = "refine"
     tolerance: float = Field(0.08, gt=0.0, lt=0.5, description="search window, fraction of size")
@@ -241,7 +241,7 @@ class LocalTeacherParams(_Section):
 
 
 class TeacherParams(_Section):
-    """The CoT teacher (``paco.teacher.make_teacher``)."""
+    """The CoT teacher (``paco.judge.teacher.make_teacher``)."""
 
     backend: Literal["template", "openai", "local"] = "template"
     fast: bool = Field(False, description="bare Yes./No. targets (PaCo-Reward-7B-Fast)")
@@ -331,7 +331,7 @@ class RewardEvalParams(_Section):
     split: str = "test"
     batch_size: int = Field(16, ge=1)
     answer_variants: bool = Field(False, description="reference canonicalize=True: sum every token whose "
-                                  "strip().lower() text is yes / no (paco.judge.canonical_answer)")
+                                  "strip().lower() text is yes / no (paco.judge.model.canonical_answer)")
     instruction: Literal["theme", "rank"] = Field(
         "theme", description="T2IS theme template (training layout) or the theme-free rank template"
     )
@@ -347,7 +347,7 @@ class RewardEvalParams(_Section):
 
 
 class JudgeServerParams(_Section):
-    """The local CPU judge server (``python -m paco.serve``), used when ``judge.url`` is null."""
+    """The local CPU judge server (``python -m paco.judge.serve``), used when ``judge.url`` is null."""
 
     max_batch_size: int = Field(32, ge=1, description="requests per forward pass")
     max_wait_ms: float = Field(10.0, ge=0, description="wait for more requests after the first")
@@ -366,9 +366,9 @@ class JudgeServerParams(_Section):
 
 
 class JudgeParams(_Section):
-    """How PaCo-GRPO reaches the PaCo-Reward judge (OpenAI-compatible, see ``paco.serve``).
+    """How PaCo-GRPO reaches the PaCo-Reward judge (OpenAI-compatible, see ``paco.judge.serve``).
 
-    ``url: null`` starts ``python -m paco.serve`` on the ``reward_merge`` model on a free
+    ``url: null`` starts ``python -m paco.judge.serve`` on the ``reward_merge`` model on a free
     localhost port for the stage's lifetime; a URL (``http://host:8000/v1`` of ``vllm serve
     <merged judge> --served-model-name <served_model_name>``) uses that server instead.
     """
@@ -380,14 +380,14 @@ class JudgeParams(_Section):
         "theme", description="T2IS theme template (paper) or the theme-free template (as the judge was trained)"
     )
     answer_variants: bool = Field(False, description="reference canonicalize=True: sum every top token whose "
-                                  "strip().lower() text is yes / no (paco.judge_client.yes_probability)")
+                                  "strip().lower() text is yes / no (paco.judge.client.yes_probability)")
     concurrency: int = Field(16, ge=1, description="requests in flight")
     timeout_s: float = Field(60.0, gt=0)
     retries: int = Field(3, ge=0)
     backoff_s: float = Field(0.5, ge=0)
     backoff_max_s: float = Field(8.0, ge=0)
     top_logprobs: int = Field(20, ge=1, description="first tokens asked for; at most the server's --max-logprobs "
-                              "(vLLM and paco.serve default 20)")
+                              "(vLLM and paco.judge.serve default 20)")
     server: JudgeServerParams = Field(default_factory=JudgeServerParams)
 
     @model_validator(mode="after")
@@ -435,7 +435,7 @@ class GrpoSampleParams(_Section):
     sigma_max: Annotated[float, Field(gt=0.0, lt=1.0)] | Literal["schedule"] = Field(
         "schedule", description="stands in for sigma in 1 - sigma at sigma = 1 (an SDE step at index 0 only): "
         "'schedule' = the schedule's second sigma (released code, timesteps[1] / 1000), or a fixed number in "
-        "(0, 1) (Flow-GRPO's 0.98); see paco.sde.sde_step")
+        "(0, 1) (Flow-GRPO's 0.98); see paco.grpo.sde.sde_step")
     same_initial_noise: bool = Field(False, description="a prompt's G trajectories share their initial noise "
                                      "(the reference's same_latent; default off as in the paper)")
     batch_size: int = Field(8, ge=1, description="trajectories per forward pass")
@@ -483,7 +483,7 @@ class GrpoTrainParams(_Section):
 class AggregationParams(_Section):
     method: Literal["weighted_sum", "log_tame", "log_tame_reference", "weighted_advantage_sum", "geometric_mean",
                     "geometric_mean_reference", "harmonic_mean", "harmonic_mean_reference"] = Field(
-        "log_tame", description="paco.advantages.AGGREGATIONS (the *_mean methods need rewards >= 0)")
+        "log_tame", description="paco.grpo.advantages.AGGREGATIONS (the *_mean methods need rewards >= 0)")
     delta: float | Literal["mean", "median"] = Field(0.2, description="log-tame threshold on h = std/mean")
 
 
@@ -523,7 +523,7 @@ class GrpoSubtaskParams(_Section):
     lora: PolicyLoraParams = Field(default_factory=PolicyLoraParams)
     rewards: dict[str, float] = Field(
         default_factory=lambda: {"consistency": 0.2, "clip_t": 1.0, "pickscore": 1.0},
-        description="reward name -> weight (paco.rewards.REWARDS)")
+        description="reward name -> weight (paco.grpo.rewards.REWARDS)")
     aggregation: AggregationParams = Field(default_factory=AggregationParams)
     eval: GrpoEvalParams = Field(default_factory=GrpoEvalParams)
     save_every: int = Field(10, ge=1, description="epochs between checkpoints")
@@ -533,7 +533,7 @@ class GrpoSubtaskParams(_Section):
     @field_validator("rewards")
     @classmethod
     def _rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
-        from paco.rewards import REWARDS
+        from paco.grpo.rewards import REWARDS
 
         unknown = sorted(set(rewards) - set(REWARDS))
         if unknown or not rewards:
@@ -561,7 +561,7 @@ class SampleSubtaskParams(_Section):
     @field_validator("rewards")
     @classmethod
     def _rewards(cls, rewards: list[str]) -> list[str]:
-        from paco.rewards import REWARDS
+        from paco.grpo.rewards import REWARDS
 
         unknown = sorted(set(rewards) - set(REWARDS))
         if unknown:
@@ -740,15 +740,15 @@ def load_params(path: str | Path = "params.yaml") -> Params:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m paco.params [params.yaml] [--out FILE]``: validate the whole file.
+    """``python -m paco.core.params [params.yaml] [--out FILE]``: validate the whole file.
 
     Prints one ``<path>: OK ...`` line and returns 0, or prints the :class:`ParamsError` (every
     offending dotted key) to stderr and returns 2 (removing ``--out``), without a traceback.
     ``--out`` also writes ``{"params": <path>, "valid": true}`` (the same bytes whatever the valid
     values, so a pipeline stage can depend on it without rerunning when the params change).
     """
-    parser = argparse.ArgumentParser(prog="python -m paco.params",
-                                     description="Validate a params file against paco.params.Params.")
+    parser = argparse.ArgumentParser(prog="python -m paco.core.params",
+                                     description="Validate a params file against paco.core.params.Params.")
     parser.add_argument("params", nargs="?", default="params.yaml", help="params file (default params.yaml)")
     parser.add_argument("--out", default=None, help="on success, also write a small JSON marker here")
     args = parser.parse_args(argv)
