@@ -33,7 +33,7 @@ for _m in MEMBERS:
         name:
             _m.rule_name
         input:
-            [_m.resolve(d, config) for d in _s.all_deps],
+            _m.deps(config) + list(_s.code),
         output:
             [directory(_m.resolve(d, config)) for d in _s.out_dirs]
             + [_m.resolve(p, config) for p in list(_s.outs) + list(_s.metrics) + list(_s.plot_outs)],

@@ -64,7 +64,7 @@ def main() -> None:
         if args.build:
             args.models, args.judge, args.prompts = build(Path(tmp))
         prompts = read_parquet(args.prompts)
-        judge = params["judge"]
+        judge = params["judge_endpoint"]
         results = {}
         # the untrained base judge (--build) need not rank Yes/No in its top 20 first tokens
         top = 100_000 if args.build else judge["top_logprobs"]
@@ -81,7 +81,7 @@ def main() -> None:
                                checkpoints_dir=Path(tmp) / f"ck{res}")
                 wall = time.perf_counter() - t0
                 s = m["seconds"]
-                per = {k: s[k] / args.epochs for k in ("sample", "reward", "train")}
+                per = {k: s[k] / args.epochs for k in ("rollout", "reward", "train")}
                 results[res] = sum(per.values())
                 print(f"train resolution {res:5d}px: {results[res]:6.2f} s/epoch  (sampling {per['sample']:.2f}, "
                       f"rewards {per['reward']:.2f}, update {per['train']:.2f}; {m['trajectories_per_epoch']} "

@@ -8,11 +8,11 @@ Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
         --lora data/grpo/t2is/lora --checkpoints data/grpo/t2is/checkpoints \\
         --plots data/grpo/t2is/plots --metrics data/grpo/t2is/metrics.json
 
-The judge: with ``judge.url: null`` the main process starts ``python -m paco.judge.serve`` on the
+The judge: with ``judge_endpoint.url: null`` the main process starts ``python -m paco.judge.serve`` on the
 ``--judge`` model on a free localhost port, waits for ``/health``, checks the served model name
 and stops it on exit; with a URL (e.g. of ``vllm serve data/reward_merge/model
 --served-model-name paco-reward``) that server is checked and used. Params: ``grpo.<subtask>``
-(:class:`paco.core.params.GrpoSubtaskParams`), ``judge``, ``subfigures`` (how grids are cut for the
+(:class:`paco.core.params.GrpoSubtaskParams`), ``judge_endpoint``, ``subfigures`` (how grids are cut for the
 panel rewards). Writes the LoRA (diffusers format), resumable checkpoints, ``plots/train.csv``,
 ``plots/eval.csv`` and ``metrics.json`` (:func:`paco.grpo.trainer.train_grpo`).
 """
@@ -41,7 +41,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet")
     p.add_argument("--policy", type=Path, required=True, help="policy model directory (models stage)")
     p.add_argument("--judge", type=Path, required=True, help="merged judge directory (reward_merge), served "
-                   "locally unless judge.url is set")
+                   "locally unless judge_endpoint.url is set")
     p.add_argument("--clip", type=Path, required=True, help="CLIP model directory (models stage)")
     p.add_argument("--lora", type=Path, required=True, help="LoRA directory to write")
     p.add_argument("--checkpoints", type=Path, required=True, help="resumable checkpoints directory")
@@ -71,7 +71,8 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         raise ArtifactError(f"grpo@{args.subtask}: {exc}") from exc
     report = out["report"]
     report["subtask"] = args.subtask
-    report["judge"] = {"url": params.judge.url or "local paco.judge.serve", "model": params.judge.served_model_name,
+    endpoint = params.judge_endpoint
+    report["judge"] = {"url": endpoint.url or "local paco.judge.serve", "model": endpoint.served_model_name,
                        "requests": ctx.judge.requests}
     if not accelerator.is_main_process:
         args.metrics = None

@@ -2,7 +2,7 @@
 
 Reads ``--jsonl`` (``prompts.jsonl`` in params), parses layouts and panel prompts
 (:func:`paco.data.prompts.read_t2is_jsonl`), assigns the train/test split by prompt where the file
-does not give one, and writes ``prompts.parquet`` (DESIGN.md §2) plus metrics: prompt counts per
+does not give one, and writes ``prompts.parquet`` (docs/architecture.md §3) plus metrics: prompt counts per
 split, category and layout, every skipped malformed row when ``strict: false``, and the null or
 blank criteria that were dropped (``dropped_criteria``). A file with no valid row fails here
 (:class:`paco.data.prompts.EmptyPromptSetError`, exit code 2).

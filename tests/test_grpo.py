@@ -19,7 +19,7 @@ from paco.core.run_identity import params_identity
 
 def _identity(cfg: GrpoSubtaskParams, **sections):
     """The params part of ``grpo@test``'s run identity (the registry's exclusions)."""
-    return params_identity("grpo@test", {"grpo.test": cfg.model_dump(mode="json"), "judge": sections.get("judge", {}),
+    return params_identity("grpo@test", {"grpo.test": cfg.model_dump(mode="json"), "judge_endpoint": sections.get("judge_endpoint", {}),
                                          "subfigures": {}})
 
 
@@ -71,7 +71,7 @@ def _prompts(n: int = 6) -> pd.DataFrame:
 def _cfg(**over) -> GrpoSubtaskParams:
     cfg = dict(
         epochs=4, prompts_per_epoch=2, group_size=4,
-        sample=dict(num_steps=4, sde_indices=[1], noise_level=0.7, batch_size=4, max_sequence_length=32),
+        rollout=dict(num_steps=4, sde_indices=[1], noise_level=0.7, batch_size=4, max_sequence_length=32),
         train=dict(resolution=64, learning_rate=0.01, gradient_steps_per_epoch=2, batch_size=4, clip_range=0.2),
         lora=dict(rank=4, alpha=8),
         rewards={"test_red_minus_blue": 1.0}, aggregation=dict(method="weighted_sum"),
@@ -129,7 +129,7 @@ def test_group_initial_noise_is_shared_only_when_asked(tiny_model_dirs, same):
     from paco.models.loading import load_flux_pipeline
     from paco.grpo.policy import FluxPolicy
 
-    cfg = _cfg(sample=dict(sde_indices=[0], same_initial_noise=same))
+    cfg = _cfg(rollout=dict(sde_indices=[0], same_initial_noise=same))
     prompt = R.PromptInfo.from_row(_prompts().iloc[0].to_dict())
     policy = FluxPolicy(load_flux_pipeline(tiny_model_dirs["policy_t2is"]), None, max_sequence_length=32)
     trajs, images = sample_group(policy, prompt, policy.encode_prompts([prompt.prompt]), [0, 1, 2], cfg, 0, 64, 64,
@@ -182,7 +182,7 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_the_policy(red_run, t
         if with_lora:
             pipe.load_lora_weights(str(out / "lora"))
         pol = FluxPolicy(pipe, None, max_sequence_length=32)
-        roll = pol.sample(pol.encode_prompts([prompt]), height=64, width=64, num_steps=4, noise_level=0.0,
+        roll = pol.generate(pol.encode_prompts([prompt]), height=64, width=64, num_steps=4, noise_level=0.0,
                           sde_indices=[], noise_generators=[torch.Generator().manual_seed(0)])
         images[with_lora] = np.asarray(pol.decode(roll.final_latents, 64, 64)[0], dtype=np.float64)
     assert np.abs(images[True] - images[False]).mean() > 0.5  # the LoRA changes the image

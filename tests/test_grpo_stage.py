@@ -38,13 +38,13 @@ def _params(tmp: Path, **judge) -> Path:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     g = params["grpo"]["t2is"]
     g.update(epochs=2, prompts_per_epoch=2, group_size=4, save_every=1)
-    g["sample"].update(num_steps=3, sde_indices=[1, 2], max_sequence_length=32)
+    g["rollout"].update(num_steps=3, sde_indices=[1, 2], max_sequence_length=32)
     g["train"].update(resolution=64, batch_size=8)
     g["eval"].update(resolution=64, num_steps=3, every=100)
-    params["sample"]["t2is"].update(resolution=64, num_steps=3, seeds_per_prompt=1, max_sequence_length=32)
-    params["judge"].update(judge)
-    params["judge"]["server"]["max_logprobs"] = 100_000  # the untrained tiny judge: serve every token
-    params["judge"]["top_logprobs"] = 100_000
+    params["final_samples"]["t2is"].update(resolution=64, num_steps=3, seeds_per_prompt=1, max_sequence_length=32)
+    params["judge_endpoint"].update(judge)
+    params["judge_endpoint"]["server"]["max_logprobs"] = 100_000  # the untrained tiny judge: serve every token
+    params["judge_endpoint"]["top_logprobs"] = 100_000
     path = tmp / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
@@ -120,7 +120,7 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     assert (g / "ck" / "judge_server.log").is_file() and len(list((g / "ck").glob("epoch-*"))) == 2
     for name in ("train.csv", "eval.csv"):
         assert (g / "plots" / name).is_file()
-    proc = _run("stages.sample", common + ["--lora", str(g / "lora"), "--out", str(s / "samples.parquet"),
+    proc = _run("stages.final_samples", common + ["--lora", str(g / "lora"), "--out", str(s / "samples.parquet"),
                                            "--sheets", str(s / "sheets"), "--metrics", str(s / "metrics.json")])
     assert proc.returncode == 0, proc.stderr[-4000:]
     samples = pd.read_parquet(s / "samples.parquet")
@@ -133,7 +133,7 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
 
 @pytest.mark.slow
 def test_two_gloo_processes_give_the_one_process_result(tiny_model_dirs, tmp_path):
-    """DESIGN §5: 2 CPU processes (gloo) at the same global batch equal 1 process, up to float
+    """2 CPU processes (gloo) at the same global batch equal 1 process, up to float
     summation order: the same samples (per-trajectory generators), gathered rewards, summed
     gradients."""
     from safetensors.torch import load_file
@@ -178,7 +178,7 @@ def test_a_judge_server_that_cannot_start_fails_every_process(tiny_model_dirs, t
     """With 2 processes, rank 0's server failure reaches rank 1 too (no rank waits forever)."""
     params = _params(tmp_path)
     raw = yaml.safe_load(params.read_text())
-    raw["judge"]["server"]["startup_timeout_s"] = 0.01  # not even the model load fits in this
+    raw["judge_endpoint"]["server"]["startup_timeout_s"] = 0.01  # not even the model load fits in this
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
     out = tmp_path / "grpo"
     proc = _launch_grpo(2, params, _prompts(tmp_path / "prompts.parquet"), tiny_model_dirs, out, timeout=300)

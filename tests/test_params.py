@@ -35,7 +35,7 @@ def test_committed_params_validate_and_set_every_field():
         (("nonsense",), {}, "nonsense: Extra inputs are not permitted"),
         (("composites", "photos", "levels"), [0, 1, 2, 3], "tied rankings"),
         (("composites", "seeds_per_prompt"), 3, "seeds_per_prompt is 3"),
-        (("judge", "top_logprobs"), 50, "exceeds server.max_logprobs 20"),
+        (("judge_endpoint", "top_logprobs"), 50, "exceeds server.max_logprobs 20"),
         (("reward_train", "augment", "crop_scale"), [0.9, 0.5], "crop_scale [0.9, 0.5]"),
     ],
 )
@@ -97,17 +97,17 @@ def _set(raw: dict, path: tuple, value) -> dict:
         (("prompts", "test_fraction"), "0.25", "prompts.test_fraction: Input should be a valid number (got '0.25', "
                                                "a string"),
         (("reward_train", "learning_rate"), float("inf"), "reward_train.learning_rate: Input should be a finite"),
-        (("judge", "timeout_s"), float("nan"), "judge.timeout_s: Input should be a finite number"),
+        (("judge_endpoint", "timeout_s"), float("nan"), "judge_endpoint.timeout_s: Input should be a finite number"),
         (("grpo", "t2is", "aggregation", "delta"), float("inf"),
          "grpo.t2is.aggregation.delta: Input should be a finite number, or Input should be 'mean' or 'median'"),
         (("reward_train", "epochs"), 2.0, "reward_train.epochs: Input should be a valid integer (got 2.0)"),
         (("composites", "photos", "gutter_px"), [True, 2], "composites.photos.gutter_px.0: Input should be a valid"),
         (("composites", "photos", "levels"), [0, 1, "3", 7], "composites.photos.levels.2: Input should be a valid"),
         (("grpo", "t2is", "rewards", "clip_t"), True, "grpo.t2is.rewards.clip_t: Input should be a valid number"),
-        (("grpo", "t2is", "sample", "sigma_max"), True,
-         "grpo.t2is.sample.sigma_max: Input should be a valid number, or Input should be 'schedule' (got True)"),
-        (("grpo", "t2is", "sample", "sigma_max"), 1.0, "grpo.t2is.sample.sigma_max: Input should be less than 1"),
-        (("grpo", "t2is", "sample", "sigma_max"), "0.98", "grpo.t2is.sample.sigma_max"),
+        (("grpo", "t2is", "rollout", "sigma_max"), True,
+         "grpo.t2is.rollout.sigma_max: Input should be a valid number, or Input should be 'schedule' (got True)"),
+        (("grpo", "t2is", "rollout", "sigma_max"), 1.0, "grpo.t2is.rollout.sigma_max: Input should be less than 1"),
+        (("grpo", "t2is", "rollout", "sigma_max"), "0.98", "grpo.t2is.rollout.sigma_max"),
         (("labels", "teacher", "fast"), 1, "labels.teacher.fast: Input should be a valid boolean"),
         (("pairs", "annotations"), 3, "pairs.annotations: Input should be a valid string (got 3)"),
     ],
@@ -147,13 +147,13 @@ def test_every_number_in_params_yaml_refuses_bools_and_non_finite_values():
 def test_ints_are_accepted_for_floats_and_new_values_validate():
     raw = committed()
     _set(raw, ("reward_train", "learning_rate"), 1)
-    _set(raw, ("grpo", "t2is", "sample", "sigma_max"), 0.98)
+    _set(raw, ("grpo", "t2is", "rollout", "sigma_max"), 0.98)
     _set(raw, ("grpo", "t2is", "aggregation", "method"), "harmonic_mean_reference")
     params = validate_params(raw)
     assert params.reward_train.learning_rate == 1.0 and isinstance(params.reward_train.learning_rate, float)
-    assert params.grpo["t2is"].sample.sigma_max == 0.98
+    assert params.grpo["t2is"].rollout.sigma_max == 0.98
     assert params.grpo["t2is"].aggregation.method == "harmonic_mean_reference"
-    assert validate_params(committed()).grpo["t2is"].sample.sigma_max == "schedule"
+    assert validate_params(committed()).grpo["t2is"].rollout.sigma_max == "schedule"
 
 
 def test_exponent_floats_without_a_dot_load_as_numbers(tmp_path):

@@ -92,7 +92,7 @@ def test_dvc_repro_runs_every_stage(dvc_repo):
     for name in ("models", "prompts", "composites", "subfigures", "pairs", "labels"):
         run = report(repo, name)["run"]
         assert run["peak_rss_mb"] < 4096, (name, run)
-    for name in ("grpo/t2is", "sample/t2is"):
+    for name in ("grpo/t2is", "final_samples/t2is"):
         run = report(repo, name)["run"]
         assert run["peak_rss_mb"] < 6144, (name, run)
 
@@ -114,15 +114,15 @@ def test_grpo_learns_and_sample_compares_with_and_without_the_lora(dvc_repo):
     train = pd.read_csv(repo / "data/grpo/t2is/plots/train.csv")
     assert len(train) == m["epochs"] and train["reward"].notna().all()
     assert (repo / "data/grpo/t2is/lora/pytorch_lora_weights.safetensors").is_file()
-    s = report(repo, "sample/t2is")
+    s = report(repo, "final_samples/t2is")
     assert set(s["rewards"]) == {"consistency", "clip_t", "pickscore"} and s["samples"] == 2 * s["prompts"] * 2
     # the held-out test prompts at the eval resolution (256 px; trained at 128 px): measured
     # consistency 0.648 -> 0.778 / 0.786 with the LoRA, higher on 16 of 16 paired samples
     cons = s["rewards"]["consistency"]
     assert cons["lora_minus_base"] > 0.02 and cons["paired_t_p_value"] < 0.01, cons
-    samples = pd.read_parquet(repo / "data/sample/t2is/samples.parquet")
+    samples = pd.read_parquet(repo / "data/final_samples/t2is/samples.parquet")
     assert set(samples["variant"]) == {"base", "lora"}
-    assert {p.name for p in (repo / "data/sample/t2is/sheets").iterdir()} == {"base.png", "lora.png"}
+    assert {p.name for p in (repo / "data/final_samples/t2is/sheets").iterdir()} == {"base.png", "lora.png"}
 
 
 def test_trained_judge_beats_chance_and_the_base_judge(dvc_repo):
@@ -161,7 +161,7 @@ def dvc_repro_noop(dvc_repo):
 
 
 #: an evaluation-only change of GRPO: ``dvc repro`` reruns grpo@t2is, which re-evaluates the kept
-#: weights without an optimizer step, and sample@t2is (the LoRA bytes are unchanged)
+#: weights without an optimizer step, and final_samples@t2is (the LoRA bytes are unchanged)
 EVAL_CHANGE = ("grpo", "t2is", "eval", "num_steps", 6)
 #: what is compared bit for bit: every output under data/ but the undeclared reports, the
 #: persisted checkpoints / progress, and DVC's own files
@@ -196,7 +196,7 @@ def test_cached_after_a_change_equals_a_fresh_clone_bit_for_bit(dvc_repo, change
     clone computes with the same params, byte for byte -- which also shows that two fresh runs
     give identical artifacts (every stage upstream of grpo@t2is ran once in each clone)."""
     repo, _ = dvc_repo
-    assert sorted(changed_repro) == ["grpo@t2is", "params_check", "sample@t2is"]
+    assert sorted(changed_repro) == ["final_samples@t2is", "grpo@t2is", "params_check"]
     rep = report(repo, "grpo/t2is")
     assert rep["epochs_this_run"] == 0 and rep["run_identity"]["reevaluated_epochs"] == [0, 8, 16], rep["run_identity"]
     fresh = clone(tmp_path_factory.mktemp("fresh"))
@@ -224,7 +224,7 @@ def test_param_change_reruns_only_the_stage_and_descendants(dvc_repo, dvc_repro_
     _set(repo, "subfigures", "method", "equal")
     status = sh([sys.executable, "-m", "dvc", "status", "--json"], repo)
     # (params_check reruns on any edit of params.yaml: it validates the whole file)
-    assert set(json.loads(status[status.index("{"):])) == {"params_check", "subfigures", "grpo@t2is", "sample@t2is"}
+    assert set(json.loads(status[status.index("{"):])) == {"params_check", "subfigures", "grpo@t2is", "final_samples@t2is"}
     (repo / "params.yaml").write_text(original)
     # an evaluation param: only reward_eval reruns, nothing upstream (the value must differ from
     # the committed default, or nothing is out of date)

@@ -27,14 +27,14 @@ def test_noise_level_zero_reproduces_flux_pipeline_exactly(tiny_model_dirs, poli
     ref = pipe(prompt=PROMPTS, height=64, width=96, num_inference_steps=5, guidance_scale=3.5, max_sequence_length=32,
                generator=_gens(2), output_type="latent").images
     # LoRA B starts at zero, so the trained adapter is the base model; SDE steps with a = 0
-    roll = policy.sample(policy.encode_prompts(PROMPTS), height=64, width=96, num_steps=5, noise_level=0.0,
+    roll = policy.generate(policy.encode_prompts(PROMPTS), height=64, width=96, num_steps=5, noise_level=0.0,
                          sde_indices=[1, 3], noise_generators=_gens(2))
     assert torch.equal(roll.final_latents, ref.float())
 
 
 def test_sde_transitions_rescore_to_the_sampled_log_prob(policy):
     emb = policy.encode_prompts(PROMPTS)
-    roll = policy.sample(emb, height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
+    roll = policy.generate(emb, height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
                          noise_generators=_gens(2), sde_generators=_gens(2, 10))
     assert roll.latents.shape[:3] == (2, 2, 2) and roll.log_probs.shape == (2, 2)
     for j, step in enumerate(roll.sde_indices):
@@ -43,7 +43,7 @@ def test_sde_transitions_rescore_to_the_sampled_log_prob(policy):
         torch.testing.assert_close(lp, roll.log_probs[:, j], rtol=0, atol=1e-6)
         assert std.shape == (2, 1, 1) and torch.all(std > 0)
     # a row's sample depends only on its own generators, not on the batch
-    solo = policy.sample(emb.select([1]), height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
+    solo = policy.generate(emb.select([1]), height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
                          noise_generators=_gens(1, 1), sde_generators=_gens(1, 11))
     torch.testing.assert_close(solo.final_latents[0], roll.final_latents[1], rtol=0, atol=1e-5)
 

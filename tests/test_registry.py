@@ -32,9 +32,9 @@ def test_every_stage_declares_existing_code_and_params_sections():
             for key, value in m.params_sections(params).items():
                 assert value is not None, f"{m.dvc_name}: params key {key} missing"
             # every placeholder resolves against params.yaml (and the foreach item)
-            for text in (stage.cmd, *stage.deps, *stage.outs, *stage.out_dirs, *stage.plot_outs):
+            for text in (stage.cmd, *stage.dep_paths, *stage.outs, *stage.out_dirs, *stage.plot_outs):
                 assert "${" not in m.resolve(text, params), text
-        # outputs live under data/<stage>/ (DESIGN.md §2)
+        # outputs live under data/<stage>/ (docs/architecture.md §3)
         for out in stage.outs + stage.out_dirs + stage.metrics + stage.plot_outs + stage.persist:
             assert out.startswith(f"data/{stage.name}/"), out
 
@@ -88,11 +88,11 @@ def test_foreach_members_take_their_item():
     assert (a.dvc_name, a.rule_name, b.dvc_name) == ("grpo@a", "grpo_a", "grpo@b")
     assert "--num_processes 3" in a.resolve(stage.cmd, params)
     assert "workflow/accelerate/ddp.yaml" in a.resolve(stage.cmd, params)
-    assert "data/models/p2" in b.resolve(" ".join(stage.deps), params)
+    assert "data/models/p2" in " ".join(b.deps(params))
     assert a.resources(params)["processes"] == 3 and b.resources(params) == {"processes": 1, "gpus": 0}
-    assert a.params_sections({**params, "judge": {"x": 1}, "subfigures": {}})["grpo.a"]["policy"] == "p1"
-    with pytest.raises(KeyError, match="sample"):
-        registry.by_name("sample").members(params)
+    assert a.params_sections({**params, "judge_endpoint": {"x": 1}, "subfigures": {}})["grpo.a"]["policy"] == "p1"
+    with pytest.raises(KeyError, match="final_samples"):
+        registry.by_name("final_samples").members(params)
 
 
 def test_interpolate_is_strict():
@@ -128,7 +128,7 @@ def test_dvc_and_snakemake_have_the_same_edges():
     names = {m.rule_name for s in registry.STAGES for m in s.members(params)}
     # every stage is on an edge but params_check, which stands alone (it only validates the file)
     assert {n for e in dvc for n in e} == names - {"params_check"}
-    assert {"grpo_t2is", "sample_t2is"} <= names
+    assert {"grpo_t2is", "final_samples_t2is"} <= names
 
 
 def test_accelerate_stages_check_params_before_launching(tmp_path):
@@ -141,3 +141,39 @@ def test_accelerate_stages_check_params_before_launching(tmp_path):
     proc = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
     assert proc.returncode == 2 and "reward_train.learning_rate" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_deps_follow_the_params_that_select_them():
+    """A scale switch changes what a stage reads, so it reruns only for inputs it reads: the
+    photo composites do not depend on the policy, the ground-truth ranking not on CLIP."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    deps = {s: registry.render_dvc(params)["stages"][s]["deps"] for s in ("composites", "pairs", "reward_eval")}
+    assert params["composites"]["source"] == "photos" and params["pairs"]["ranking"] == "ground_truth"
+    assert "data/models/policy_t2is" not in deps["composites"] and "${composites.import.dir}" not in deps["composites"]
+    assert "data/models/clip" not in deps["pairs"] and "${pairs.annotations}" not in deps["pairs"]
+    assert {"data/models/judge_base", "data/models/clip"} <= set(deps["reward_eval"])
+    params["composites"]["source"] = "generate"
+    params["pairs"]["ranking"] = "annotations"
+    params["reward_eval"]["baselines"] = ["clip_i"]
+    deps = {s: registry.render_dvc(params)["stages"][s]["deps"] for s in ("composites", "pairs", "reward_eval")}
+    assert "data/models/policy_t2is" in deps["composites"] and "${composites.import.dir}" not in deps["composites"]
+    assert "${pairs.annotations}" in deps["pairs"] and "data/models/clip" not in deps["pairs"]
+    assert "data/models/judge_base" not in deps["reward_eval"] and "data/models/clip" in deps["reward_eval"]
+    member = registry.by_name("pairs").members(params)[0]
+    assert member.deps(params)[-1] == params["pairs"]["annotations"]  # resolved for both engines
+
+
+def test_params_check_refuses_a_dvc_yaml_rendered_for_other_params(tmp_path):
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["composites"]["source"] = "generate"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, "-m", "stages.params_check", "--params", str(tmp_path / "params.yaml"),
+                           "--out", str(tmp_path / "p.json"), "--dvc-yaml", str(ROOT / "dvc.yaml")], cwd=ROOT,
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "python -m workflow.registry > dvc.yaml" in proc.stderr
+    (tmp_path / "dvc.yaml").write_text(registry.dump_dvc(params))
+    proc = subprocess.run([sys.executable, "-m", "stages.params_check", "--params", str(tmp_path / "params.yaml"),
+                           "--out", str(tmp_path / "p.json"), "--dvc-yaml", str(tmp_path / "dvc.yaml")], cwd=ROOT,
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -28,8 +28,8 @@ def workspace(tmp_path):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     member = next(m for m in registry.by_name("grpo").members(params) if m.key == "t2is")
-    for dep in member.stage.deps:
-        path = tmp_path / member.resolve(dep, params)
+    for dep in member.deps(params):
+        path = tmp_path / dep
         if path.suffix:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"table")
@@ -63,7 +63,7 @@ def test_every_dependency_class_changes_its_part(workspace):
     base = _identity(ws)
     assert base == _identity(ws)  # nothing changed: the same identity
     # a key of each declared params section
-    for edit, part in ((dict(judge__instruction="theme"), "params:judge"),
+    for edit, part in ((dict(judge_endpoint__instruction="theme"), "params:judge_endpoint"),
                        (dict(subfigures__tolerance=0.11), "params:subfigures"),
                        (dict(grpo__t2is__train__learning_rate=0.5), "params:grpo.t2is"),
                        (dict(grpo__t2is__eval__every=3), "params:grpo.t2is")):
@@ -135,7 +135,7 @@ def test_path_digest(tmp_path):
 
 
 def test_params_identity_needs_every_declared_section():
-    with pytest.raises(KeyError, match="judge"):
+    with pytest.raises(KeyError, match="judge_endpoint"):
         params_identity("grpo@x", {"grpo.x": {}, "subfigures": {}})
 
 

@@ -1,4 +1,4 @@
-"""The one stage registry behind both engines (DESIGN.md §1: one DAG, two engines, no drift).
+"""The one stage registry behind both engines (docs/architecture.md §1: one DAG, two engines, no drift).
 
 Each :class:`Stage` names its command, data dependencies, code dependencies, params sections,
 outputs and metrics. :func:`render_dvc` turns the registry into ``dvc.yaml`` (committed; a test
@@ -38,13 +38,40 @@ _PLACEHOLDER = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 
 
 @dataclass(frozen=True)
+class Dep:
+    """A data dependency read only under some params: ``path`` when the params value at the dotted
+    ``key`` is one of ``values`` (for a list value: when it holds one of them). So a scale switch
+    (``composites.source: photos`` -> ``generate``) changes what a stage depends on, and a stage
+    never reruns for an input it does not read."""
+
+    path: str
+    key: str
+    values: tuple[Any, ...]
+
+    def active(self, config: Mapping[str, Any]) -> bool:
+        node: Any = config
+        for part in self.key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return False
+            node = node[part]
+        if isinstance(node, list):
+            return any(v in node for v in self.values)
+        return node in self.values
+
+
+def _path(dep: str | Dep) -> str:
+    return dep.path if isinstance(dep, Dep) else dep
+
+
+@dataclass(frozen=True)
 class Stage:
     """One pipeline stage.
 
     Attributes:
         name: DVC stage name and Snakemake rule name.
         args: ``--flag value`` pairs after ``python -m stages.<module> --params params.yaml``.
-        deps: data inputs (files or directories; may hold ``${...}`` placeholders).
+        deps: data inputs (files or directories; may hold ``${...}`` placeholders); a :class:`Dep`
+            is one read only under some params (:meth:`Member.deps` selects them).
         code: source files whose change reruns the stage.
         params: top-level ``params.yaml`` sections the stage reads.
         outs: output files; ``out_dirs``: output directories.
@@ -72,7 +99,7 @@ class Stage:
 
     name: str
     args: tuple[tuple[str, str], ...]
-    deps: tuple[str, ...] = ()
+    deps: tuple[str | Dep, ...] = ()
     params: tuple[str, ...] = ()
     outs: tuple[str, ...] = ()
     out_dirs: tuple[str, ...] = ()
@@ -114,8 +141,13 @@ class Stage:
         return " ".join(parts)
 
     @property
-    def all_deps(self) -> tuple[str, ...]:
-        return self.deps + self.code
+    def dep_paths(self) -> tuple[str, ...]:
+        """Every declared data dependency's path, whatever the params."""
+        return tuple(_path(d) for d in self.deps)
+
+    def active_deps(self, config: Mapping[str, Any]) -> tuple[str, ...]:
+        """The data dependencies read under ``config`` (placeholders not resolved)."""
+        return tuple(_path(d) for d in self.deps if not isinstance(d, Dep) or d.active(config))
 
     @property
     def plot_outs(self) -> tuple[str, ...]:
@@ -151,6 +183,10 @@ class Member:
         if self.key is not None:
             text = interpolate(text, {"key": self.key, "item": self.item}, keep_unknown=True)
         return interpolate(text, config)
+
+    def deps(self, config: Mapping[str, Any]) -> list[str]:
+        """The member's data dependencies under ``config``, resolved (:meth:`Stage.active_deps`)."""
+        return [self.resolve(d, config) for d in self.stage.active_deps(config)]
 
     def resources(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """``resources.default`` updated by the stage's own resources."""
@@ -255,8 +291,10 @@ def _d(stage: str, name: str) -> str:
 STAGES: tuple[Stage, ...] = (
     Stage(
         name="params_check",
-        args=(("--out", _d("params_check", "params.json")),),
-        deps=(PARAMS_FILE,),
+        args=(("--out", _d("params_check", "params.json")), ("--dvc-yaml", "dvc.yaml")),
+        # it also reads dvc.yaml, which DVC refuses as a dependency: the rendering changes only
+        # with params.yaml or the registry, both declared
+        deps=(PARAMS_FILE, "workflow/registry.py"),
         outs=(_d("params_check", "params.json"),),
     ),
     Stage(
@@ -287,7 +325,8 @@ STAGES: tuple[Stage, ...] = (
             ("--out", _d("composites", "composites.parquet")),
             ("--metrics", _d("composites", "metrics.json")),
         ),
-        deps=(_d("prompts", "prompts.parquet"), "data/models/policy_t2is", "${composites.import.dir}"),
+        deps=(_d("prompts", "prompts.parquet"), Dep("data/models/policy_t2is", "composites.source", ("generate",)),
+              Dep("${composites.import.dir}", "composites.source", ("import",))),
         params=("composites",),
         outs=(_d("composites", "composites.parquet"),),
         metrics=(_d("composites", "metrics.json"),),
@@ -319,8 +358,8 @@ STAGES: tuple[Stage, ...] = (
         deps=(
             _d("subfigures", "panels.parquet"),
             _d("prompts", "prompts.parquet"),
-            "data/models/clip",
-            "${pairs.annotations}",
+            Dep("data/models/clip", "pairs.ranking", ("auto",)),
+            Dep("${pairs.annotations}", "pairs.ranking", ("annotations",)),
         ),
         params=("pairs",),
         outs=(_d("pairs", "rank_instances.parquet"), _d("pairs", "pairs.parquet")),
@@ -393,8 +432,8 @@ STAGES: tuple[Stage, ...] = (
         ),
         deps=(
             _d("reward_merge", "model"),
-            "data/models/judge_base",
-            "data/models/clip",
+            Dep("data/models/judge_base", "reward_eval.baselines", ("base_zero_shot",)),
+            Dep("data/models/clip", "reward_eval.baselines", ("clip_i",)),
             _d("pairs", "rank_instances.parquet"),
             _d("subfigures", "panels.parquet"),
             _d("prompts", "prompts.parquet"),
@@ -424,7 +463,7 @@ STAGES += (
         ),
         deps=(_d("prompts", "prompts.parquet"), "data/models/${item.policy}", _d("reward_merge", "model"),
               "data/models/clip"),
-        params=("grpo.${key}", "judge", "subfigures"),
+        params=("grpo.${key}", "judge_endpoint", "subfigures"),
         out_dirs=("data/grpo/${key}/lora",),
         persist=("data/grpo/${key}/checkpoints",),
         metrics=("data/grpo/${key}/metrics.json",),
@@ -441,8 +480,8 @@ STAGES += (
         ),
     ),
     Stage(
-        name="sample",
-        foreach="sample",
+        name="final_samples",
+        foreach="final_samples",
         launcher="accelerate",
         args=(
             ("--subtask", "${key}"),
@@ -451,17 +490,17 @@ STAGES += (
             ("--lora", "data/grpo/${key}/lora"),
             ("--judge", _d("reward_merge", "model")),
             ("--clip", "data/models/clip"),
-            ("--out", "data/sample/${key}/samples.parquet"),
-            ("--sheets", "data/sample/${key}/sheets"),
-            ("--metrics", "data/sample/${key}/metrics.json"),
+            ("--out", "data/final_samples/${key}/samples.parquet"),
+            ("--sheets", "data/final_samples/${key}/sheets"),
+            ("--metrics", "data/final_samples/${key}/metrics.json"),
         ),
         deps=(_d("prompts", "prompts.parquet"), "data/models/${item.policy}", "data/grpo/${key}/lora",
               _d("reward_merge", "model"), "data/models/clip"),
-        params=("sample.${key}", "judge", "subfigures"),
-        outs=("data/sample/${key}/samples.parquet",),
-        out_dirs=("data/sample/${key}/sheets",),
-        metrics=("data/sample/${key}/metrics.json",),
-        launch=("sample.${key}.resources",),
+        params=("final_samples.${key}", "judge_endpoint", "subfigures"),
+        outs=("data/final_samples/${key}/samples.parquet",),
+        out_dirs=("data/final_samples/${key}/sheets",),
+        metrics=("data/final_samples/${key}/metrics.json",),
+        launch=("final_samples.${key}.resources",),
         subprocesses=("paco/judge/serve.py",),
     ),
 )
@@ -499,11 +538,19 @@ def interpolate(text: str, config: Mapping[str, Any], *, keep_unknown: bool = Fa
     return _PLACEHOLDER.sub(value, text)
 
 
-def render_dvc() -> dict[str, Any]:
-    """The ``dvc.yaml`` document for the registry."""
+def load_config(path: str | Path | None = None) -> dict[str, Any]:
+    """``params.yaml`` (the repository's, by default) as plain data."""
+    return yaml.safe_load(Path(path or ROOT / PARAMS_FILE).read_text()) or {}
+
+
+def render_dvc(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``dvc.yaml`` document for the registry under ``config`` (default: ``params.yaml``),
+    which decides the params-dependent deps (:class:`Dep`)."""
+    config = load_config() if config is None else config
     stages: dict[str, Any] = {}
     for s in STAGES:
-        entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.all_deps), "params": list(s.params)}
+        entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.active_deps(config)) + list(s.code),
+                                 "params": list(s.params)}
         entry["outs"] = list(s.out_dirs) + list(s.outs) + [{p: {"persist": True}} for p in s.persist]
         if s.metrics:
             entry["metrics"] = list(s.metrics)
@@ -517,9 +564,10 @@ def render_dvc() -> dict[str, Any]:
     return doc
 
 
-def dump_dvc() -> str:
-    header = "# Generated by `python -m workflow.registry` from workflow/registry.py: do not edit.\n"
-    return header + yaml.safe_dump(render_dvc(), sort_keys=False, width=100)
+def dump_dvc(config: Mapping[str, Any] | None = None) -> str:
+    header = ("# Generated by `python -m workflow.registry` from workflow/registry.py and params.yaml (which\n"
+              "# inputs a stage reads depends on its params): do not edit; regenerate after switching them.\n")
+    return header + yaml.safe_dump(render_dvc(config), sort_keys=False, width=100)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Image columns follow the Hugging Face ``datasets`` ``Image`` feature convention: a Parquet
 ``struct<bytes: binary, path: string>`` whose ``bytes`` hold a PNG file, so every table is
 self-contained and ``datasets.load_dataset("parquet", ...)`` decodes it as images
-(DESIGN.md §2).
+(docs/architecture.md §3).
 
 Every writer here is atomic: it writes to a temporary file in the destination directory and
 ``os.replace``-s it into place, so an interrupted stage never leaves a half-written artifact.

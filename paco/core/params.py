@@ -1,4 +1,4 @@
-"""Validated pipeline parameters: the schema of ``params.yaml`` (DESIGN.md §3).
+"""Validated pipeline parameters: the schema of ``params.yaml`` (docs/architecture.md §6).
 
 ``params.yaml`` is the single source of truth. Every stage validates the *whole* file at start
 with these pydantic models (``extra="forbid"`` everywhere), so an unknown or mistyped key anywhere
@@ -347,7 +347,7 @@ class RewardEvalParams(_Section):
 
 
 class JudgeServerParams(_Section):
-    """The local CPU judge server (``python -m paco.judge.serve``), used when ``judge.url`` is null."""
+    """The local CPU judge server (``python -m paco.judge.serve``), used when ``judge_endpoint.url`` is null."""
 
     max_batch_size: int = Field(32, ge=1, description="requests per forward pass")
     max_wait_ms: float = Field(10.0, ge=0, description="wait for more requests after the first")
@@ -365,7 +365,7 @@ class JudgeServerParams(_Section):
                                       "max_position_embeddings (vLLM's --max-model-len); longer prompts are refused")
 
 
-class JudgeParams(_Section):
+class JudgeEndpointParams(_Section):
     """How PaCo-GRPO reaches the PaCo-Reward judge (OpenAI-compatible, see ``paco.judge.serve``).
 
     ``url: null`` starts ``python -m paco.judge.serve`` on the ``reward_merge`` model on a free
@@ -391,7 +391,7 @@ class JudgeParams(_Section):
     server: JudgeServerParams = Field(default_factory=JudgeServerParams)
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> "JudgeParams":
+    def _check_logprobs(self) -> "JudgeEndpointParams":
         if self.url is None and self.top_logprobs > self.server.max_logprobs:
             raise ValueError(f"top_logprobs {self.top_logprobs} exceeds server.max_logprobs "
                              f"{self.server.max_logprobs}: the local judge server would refuse every request")
@@ -425,8 +425,8 @@ class PolicyLoraParams(_Section):
         return v
 
 
-class GrpoSampleParams(_Section):
-    """Trajectory sampling (Flow-GRPO)."""
+class RolloutParams(_Section):
+    """GRPO rollouts: how the old policy samples the training trajectories (Flow-GRPO)."""
 
     num_steps: int = Field(10, ge=1, description="denoising steps N (paper 10)")
     guidance_scale: float = Field(3.5, ge=0.0)
@@ -442,7 +442,7 @@ class GrpoSampleParams(_Section):
     max_sequence_length: int = Field(512, ge=8, le=512)
 
     @model_validator(mode="after")
-    def _indices(self) -> GrpoSampleParams:
+    def _indices(self) -> RolloutParams:
         bad = [i for i in self.sde_indices if not 0 <= i < self.num_steps]
         if bad or not self.sde_indices or len(set(self.sde_indices)) != len(self.sde_indices):
             raise ValueError(f"sde_indices {self.sde_indices} must be distinct steps in [0, num_steps={self.num_steps})")
@@ -518,7 +518,7 @@ class GrpoSubtaskParams(_Section):
     epochs: int = Field(100, ge=1)
     prompts_per_epoch: int = Field(42, ge=1, description="K unique prompts per epoch (paper 42)")
     group_size: int = Field(16, ge=2, description="G trajectories per prompt (paper 16)")
-    sample: GrpoSampleParams = Field(default_factory=GrpoSampleParams)
+    rollout: RolloutParams = Field(default_factory=RolloutParams)
     train: GrpoTrainParams = Field(default_factory=GrpoTrainParams)
     lora: PolicyLoraParams = Field(default_factory=PolicyLoraParams)
     rewards: dict[str, float] = Field(
@@ -541,7 +541,7 @@ class GrpoSubtaskParams(_Section):
         return rewards
 
 
-class SampleSubtaskParams(_Section):
+class FinalSamplesParams(_Section):
     """Final sampling for one subtask (``sample.<subtask>``): ODE sampling of the test prompts
     with and without the trained LoRA (paper: 20 steps, guidance 3.5, 1024 px)."""
 
@@ -610,21 +610,22 @@ class Params(_Section):
     reward_train: RewardTrainParams = Field(default_factory=RewardTrainParams)
     reward_merge: RewardMergeParams = Field(default_factory=RewardMergeParams)
     reward_eval: RewardEvalParams = Field(default_factory=RewardEvalParams)
-    judge: JudgeParams = Field(default_factory=JudgeParams)
+    judge_endpoint: JudgeEndpointParams = Field(default_factory=JudgeEndpointParams)
     grpo: dict[str, GrpoSubtaskParams] = Field(default_factory=lambda: {"t2is": GrpoSubtaskParams()})
-    sample: dict[str, SampleSubtaskParams] = Field(default_factory=lambda: {"t2is": SampleSubtaskParams()})
+    final_samples: dict[str, FinalSamplesParams] = Field(default_factory=lambda: {"t2is": FinalSamplesParams()})
     resources: ResourcesParams = Field(default_factory=ResourcesParams)
 
     @model_validator(mode="after")
     def _subtasks(self) -> Params:
         roles = self.models.roles()
-        for section in ("grpo", "sample"):
+        for section in ("grpo", "final_samples"):
             for key, cfg in getattr(self, section).items():
                 if cfg.policy not in roles:
                     raise ValueError(f"{section}.{key}.policy: {cfg.policy!r} is not a models role {sorted(roles)}")
-        missing = sorted(set(self.sample) - set(self.grpo))
+        missing = sorted(set(self.final_samples) - set(self.grpo))
         if missing:
-            raise ValueError(f"sample subtask(s) {missing} have no grpo entry (sample.<k> uses grpo.<k>'s LoRA)")
+            raise ValueError(f"final_samples subtask(s) {missing} have no grpo entry (final_samples.<k> uses "
+                             "grpo.<k>'s LoRA)")
         return self
 
 
@@ -764,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"params": str(args.params), "valid": True}) + "\n")
     print(f"{args.params}: OK ({len(type(params).model_fields)} sections; grpo subtasks "
-          f"{sorted(params.grpo)}, sample subtasks {sorted(params.sample)})")
+          f"{sorted(params.grpo)}, final_samples subtasks {sorted(params.final_samples)})")
     return 0
 
 

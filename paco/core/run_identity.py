@@ -7,8 +7,8 @@ persisted state (``reward_train``'s and ``grpo@<subtask>``'s checkpoints, ``labe
 would otherwise resume work done under other inputs. So every such stage computes its identity
 from exactly the declarations that make DVC rerun it:
 
-* ``dep:<path>``: sha256 of each declared data dependency (a file's bytes; a directory's sorted
-  relative file names and bytes; ``absent`` if it does not exist);
+* ``dep:<path>``: sha256 of each data dependency the stage reads under its params (a file's
+  bytes; a directory's sorted relative file names and bytes; ``absent`` if it does not exist);
 * ``code:<path>``: sha256 of each declared code file (the stage's import closure);
 * ``params:<key>``: sha256 of each declared params section after validation (defaults filled in,
   so writing a default explicitly changes nothing), *minus* the keys the stage declares as
@@ -231,8 +231,7 @@ def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: st
         if args is not None and getattr(args, attr, None) is not None:
             actual[m.resolve(value, raw)] = Path(getattr(args, attr))
     parts: dict[str, str] = {}
-    for dep in m.stage.deps:
-        path = m.resolve(dep, raw)
+    for path in m.deps(raw):
         parts[f"dep:{path}"] = path_digest(actual.get(path, root / path))
     for code in m.stage.code:
         parts[f"code:{code}"] = path_digest(root / code)

@@ -3,7 +3,7 @@ split of what a stage writes into headline ``metrics.json`` and detailed ``repor
 time, peak memory, timings), and one clear line instead of a traceback for expected failures.
 
 A stage module (``stages/<name>.py``) only parses arguments, loads params, reads its declared
-inputs, calls the library and writes its outputs (DESIGN.md §1). Paths always arrive on the
+inputs, calls the library and writes its outputs (docs/architecture.md §1). Paths always arrive on the
 command line from the stage registry (``workflow/registry.py``); nothing is hard-coded.
 """
 

@@ -1,4 +1,4 @@
-"""Composite (multi-panel grid image) sources for ``composites.parquet`` (DESIGN.md §2).
+"""Composite (multi-panel grid image) sources for ``composites.parquet`` (docs/architecture.md §3).
 
 - ``generate``: the policy pipeline (FLUX.1) renders each prompt's grid prompt for N seeds
   (paper §3.1: 4 seeds per prompt, 1024 x 1024, 2x2);

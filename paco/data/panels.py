@@ -1,4 +1,4 @@
-"""The panel table: composites -> one row per sub-figure (``panels.parquet``, DESIGN.md §2).
+"""The panel table: composites -> one row per sub-figure (``panels.parquet``, docs/architecture.md §3).
 
 Box finding is :func:`paco.data.subfigures.split_grid`; this module joins composites with their
 layouts, decodes and crops, assigns stable panel IDs (``<composite_id>-p<index>``, index

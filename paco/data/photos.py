@@ -1,6 +1,6 @@
 """The ``photos`` composite source: grids of views of real photographs with graded drift.
 
-This is the embedded default's real-image data (DESIGN.md §4). Every photograph ships inside an
+This is the embedded default's real-image data (docs/architecture.md §10). Every photograph ships inside an
 installed wheel (``skimage.data`` and matplotlib's ``grace_hopper.jpg``), so nothing is
 downloaded.
 

@@ -120,7 +120,7 @@ __all__ = [
     "read_t2is_jsonl_report",
 ]
 
-#: Columns of the table :func:`read_t2is_jsonl` returns (``prompts.parquet``, DESIGN.md §2).
+#: Columns of the table :func:`read_t2is_jsonl` returns (``prompts.parquet``, docs/architecture.md §3).
 PROMPT_COLUMNS = [
     "prompt_id", "split", "prompt", "global_prompt", "theme", "rows", "cols", "panel_prompts",
     "height", "width", "category", "task_name", "criteria", "subject", "editing_prompts",

@@ -1,4 +1,4 @@
-"""Final sampling (stage ``sample@<subtask>``): the test prompts with and without the GRPO LoRA.
+"""Final sampling (stage ``final_samples@<subtask>``): the test prompts with and without the GRPO LoRA.
 
 Deterministic ODE sampling (the paper's evaluation: 20 steps, guidance 3.5, 1024 px) of every
 test prompt, ``seeds_per_prompt`` seeds each (seed ``k`` of prompt ``p`` draws its noise from
@@ -23,7 +23,7 @@ from PIL import Image, ImageDraw
 
 from paco.core.seeding import stable_seed
 from paco.core.io import encode_image
-from paco.core.params import SampleSubtaskParams
+from paco.core.params import FinalSamplesParams
 from paco.grpo.policy import FluxPolicy, grid_size
 from paco.grpo.rewards import PromptInfo, RewardContext, compute_rewards
 from paco.data.subfigures import crop_panels
@@ -34,7 +34,7 @@ VARIANTS = ("base", "lora")
 SAMPLE_COLUMNS = ["sample_id", "prompt_id", "seed", "variant", "height", "width", "image", "panels", "bboxes"]
 
 
-def _generate(policy: FluxPolicy, jobs: Sequence[tuple[PromptInfo, int, tuple[int, int]]], cfg: SampleSubtaskParams
+def _generate(policy: FluxPolicy, jobs: Sequence[tuple[PromptInfo, int, tuple[int, int]]], cfg: FinalSamplesParams
               ) -> list[Image.Image]:
     """ODE samples for ``(prompt, seed, (h, w))`` jobs, batched by prompt and size."""
     out: list[Image.Image | None] = [None] * len(jobs)
@@ -47,7 +47,7 @@ def _generate(policy: FluxPolicy, jobs: Sequence[tuple[PromptInfo, int, tuple[in
         for c0 in range(0, len(idx), cfg.batch_size):
             chunk = idx[c0:c0 + cfg.batch_size]
             gens = [torch.Generator().manual_seed(stable_seed(cfg.seed, "final", pid, jobs[i][1])) for i in chunk]
-            roll = policy.sample(emb.select([0] * len(chunk)), height=h, width=w, num_steps=cfg.num_steps,
+            roll = policy.generate(emb.select([0] * len(chunk)), height=h, width=w, num_steps=cfg.num_steps,
                                  noise_level=0.0, sde_indices=[], noise_generators=gens)
             for i, im in zip(chunk, policy.decode(roll.final_latents, h, w), strict=True):
                 out[i] = im
@@ -74,7 +74,7 @@ def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], *, colum
     return sheet
 
 
-def final_samples(cfg: SampleSubtaskParams, prompts: pd.DataFrame, policy_dir: str | Path, lora_dir: str | Path,
+def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: str | Path, lora_dir: str | Path,
                   ctx: RewardContext, *, rank: int = 0, world: int = 1, accelerator: Any = None
                   ) -> tuple[pd.DataFrame, dict[str, Image.Image], dict[str, Any]]:
     """Sample, cut and score the ``cfg.split`` prompts with and without the LoRA.

@@ -1,5 +1,5 @@
-"""How PaCo-GRPO and final sampling reach the PaCo-Reward judge (the ``judge:`` params section):
-the served judge's URL for a stage's lifetime (``judge.url``, or a local ``python -m paco.judge.serve``
+"""How PaCo-GRPO and final sampling reach the PaCo-Reward judge (the ``judge_endpoint:`` params section):
+the served judge's URL for a stage's lifetime (``judge_endpoint.url``, or a local ``python -m paco.judge.serve``
 of the merged judge), the reward context (judge client, CLIP scorer, instruction, grid cutting),
 the accelerator and the subtask's params.
 """
@@ -24,17 +24,17 @@ def subtask_params(params: Params, section: str, subtask: str):
 
 @contextlib.contextmanager
 def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path | None):
-    """Yield the judge base URL: ``judge.url``, or a local ``paco.judge.serve`` started by the main
+    """Yield the judge base URL: ``judge_endpoint.url``, or a local ``paco.judge.serve`` started by the main
     process (the URL is broadcast to the other processes), logging to ``log_dir/judge_server.log``
     (a persisted directory: the server log of every run is kept)."""
     from paco.judge.client import JudgeError, LocalJudgeServer
 
-    cfg = params.judge
+    cfg = params.judge_endpoint
     if cfg.url:
         yield cfg.url
         return
     if not (judge_dir / "config.json").is_file():
-        raise ArtifactError(f"{judge_dir}: no judge model (run reward_merge, or set judge.url)")
+        raise ArtifactError(f"{judge_dir}: no judge model (run reward_merge, or set judge_endpoint.url)")
     s = cfg.server
     server = None
     url = error = None
@@ -72,7 +72,7 @@ def make_reward_context(params: Params, url: str, clip_dir: Path):
     from paco.judge.client import JudgeClient
     from paco.grpo.rewards import RewardContext
 
-    cfg = params.judge
+    cfg = params.judge_endpoint
     api_key = None
     if cfg.api_key_env:
         api_key = os.environ.get(cfg.api_key_env)

@@ -238,11 +238,13 @@ class FluxPolicy:
         return flux_sigmas(self.pipe.scheduler, num_steps, seq)
 
     @torch.no_grad()
-    def sample(self, embeds: PromptEmbeds, *, height: int, width: int, num_steps: int, noise_level: float,
-               sde_indices: Sequence[int], noise_generators: Sequence[torch.Generator],
-               sde_generators: Sequence[torch.Generator] | None = None,
-               sigma_max: float | str = "schedule") -> Rollout:
-        """Sample one trajectory per row of ``embeds`` with the active adapter.
+    def generate(self, embeds: PromptEmbeds, *, height: int, width: int, num_steps: int, noise_level: float,
+                 sde_indices: Sequence[int], noise_generators: Sequence[torch.Generator],
+                 sde_generators: Sequence[torch.Generator] | None = None,
+                 sigma_max: float | str = "schedule") -> Rollout:
+        """Denoise one trajectory per row of ``embeds`` with the active adapter: ODE steps, and SDE
+        steps at ``sde_indices`` (a GRPO rollout; with ``noise_level`` 0 or no SDE step, an ODE
+        sample).
 
         Args:
             embeds: conditioning of ``B`` rows.

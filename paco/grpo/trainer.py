@@ -151,12 +151,12 @@ def sample_group(policy: FluxPolicy, prompt: PromptInfo, embeds: PromptEmbeds, i
                  ) -> tuple[list[Trajectory], list[Any]]:
     """Sample the trajectories ``indices`` (within the prompt's group) of one prompt with the
     active adapter, in chunks of ``sample.batch_size``; return them and their decoded images."""
-    s = cfg.sample
+    s = cfg.rollout
     trajs, images = [], []
     for start in range(0, len(indices), s.batch_size):
         chunk = list(indices[start:start + s.batch_size])
         emb = embeds.select([0] * len(chunk))
-        roll = policy.sample(
+        roll = policy.generate(
             emb, height=height, width=width, num_steps=s.num_steps, noise_level=s.noise_level,
             sde_indices=s.sde_indices,
             noise_generators=generators(cfg.seed, "noise", epoch, prompt.prompt_id,
@@ -335,7 +335,7 @@ def evaluate(policy: FluxPolicy, prompts: Sequence[PromptInfo], sizes: Sequence[
             chunk = idx[start:start + e.batch_size]
             emb = policy.encode_prompts([prompts[i].prompt for i in chunk])
             noise = [generators(cfg.seed, "eval", 0, prompts[i].prompt_id, [0])[0] for i in chunk]
-            roll = policy.sample(emb, height=h, width=w, num_steps=e.num_steps, noise_level=0.0,
+            roll = policy.generate(emb, height=h, width=w, num_steps=e.num_steps, noise_level=0.0,
                                  sde_indices=[], noise_generators=noise)
             rows += zip(chunk, policy.decode(roll.final_latents, h, w), strict=True)
     rows.sort(key=lambda r: r[0])
@@ -437,7 +437,7 @@ class GrpoState:
     epochs_this_run: int = 0
     reevaluated: list[int] = field(default_factory=list)
     first_update_ratio_dev: list[float] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=lambda: {"sample": 0.0, "reward": 0.0, "train": 0.0, "eval": 0.0})
+    timings: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "reward": 0.0, "train": 0.0, "eval": 0.0})
     epoch_seconds: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -493,8 +493,8 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
     dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and on_gpu) else torch.float32
     pipe = load_flux_pipeline(policy_dir, dtype=dtype)
     pipe.to(device)
-    policy = FluxPolicy(pipe, cfg.lora, max_sequence_length=cfg.sample.max_sequence_length,
-                        guidance_scale=cfg.sample.guidance_scale, seed=stable_seed(cfg.seed, "lora"))
+    policy = FluxPolicy(pipe, cfg.lora, max_sequence_length=cfg.rollout.max_sequence_length,
+                        guidance_scale=cfg.rollout.guidance_scale, seed=stable_seed(cfg.seed, "lora"))
     trained = policy.adapter_parameters(TRAINED_ADAPTER)
     with torch.no_grad():  # LoRA weights stay float32 (bf16 base on GPUs)
         for p in list(trained.values()) + list(policy.adapter_parameters(OLD_ADAPTER).values()):
@@ -519,7 +519,7 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
                  device)
         log.info("%d epochs x (%d prompts x %d trajectories) at %dpx, %d SDE step(s) of %d; %d gradient steps/epoch; "
                  "eval on %d prompts at %dpx every %d epochs", cfg.epochs, cfg.prompts_per_epoch, cfg.group_size,
-                 cfg.train.resolution, len(cfg.sample.sde_indices), cfg.sample.num_steps, t.gradient_steps_per_epoch,
+                 cfg.train.resolution, len(cfg.rollout.sde_indices), cfg.rollout.num_steps, t.gradient_steps_per_epoch,
                  len(run.eval_prompts), cfg.eval.resolution, cfg.eval.every)
     return run
 
@@ -689,7 +689,7 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
     """
     cfg, t, policy, device = run.cfg, run.cfg.train, run.policy, run.device
     by_index = {tj.index: tj for tj in roll.trajectories}
-    n_sde = len(cfg.sample.sde_indices)
+    n_sde = len(cfg.rollout.sde_indices)
     stats = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0, "n": 0.0}
     grad_norms = []
     for step_no, mb in enumerate(minibatches(run.n_traj, t.gradient_steps_per_epoch, cfg.seed, epoch)):
@@ -710,7 +710,7 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
                     x_next = torch.stack([c.latents[j, 1] for c in chunk]).to(device)
                     sig, sig_next = chunk[0].sigmas[step], chunk[0].sigmas[step + 1]
                     ts_ = chunk[0].timesteps[step]
-                    args = (x, x_next, sig, sig_next, ts_, emb, h, w, cfg.sample.noise_level, cfg.sample.sigma_max)
+                    args = (x, x_next, sig, sig_next, ts_, emb, h, w, cfg.rollout.noise_level, cfg.rollout.sigma_max)
                     with torch.no_grad():
                         with policy.using(OLD_ADAPTER):
                             old_lp, _, _ = policy.transition_log_prob(*args)
@@ -950,7 +950,7 @@ def train_grpo(
         tt = time.perf_counter()
         stats = update(run, roll, adv.advantages, epoch, state)
         te = time.perf_counter()
-        state.timings["sample"] += tr - ts
+        state.timings["rollout"] += tr - ts
         state.timings["reward"] += tt - tr
         state.timings["train"] += te - tt
         row = epoch_row(run, epoch, rewards, adv, stats)
@@ -1008,7 +1008,7 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
         "device": run.device.type,
         "torch_threads_per_process": torch.get_num_threads(),
         "trajectories_per_epoch": run.n_traj,
-        "transitions_per_epoch": run.n_traj * len(cfg.sample.sde_indices),
+        "transitions_per_epoch": run.n_traj * len(cfg.rollout.sde_indices),
         "optimizer_steps": cfg.epochs * cfg.train.gradient_steps_per_epoch,
         "lora_parameters": n_lora,
         "train_resolution": cfg.train.resolution,
@@ -1022,7 +1022,7 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
         "eval_first": first,
         "eval_final": final,
         "seconds": {k: round(v, 2) for k, v in state.timings.items()},
-        "seconds_per_epoch": (round(sum(state.timings[k] for k in ("sample", "reward", "train")) /
+        "seconds_per_epoch": (round(sum(state.timings[k] for k in ("rollout", "reward", "train")) /
                                     state.epochs_this_run, 3) if state.epochs_this_run else None),
         "epoch_seconds": state.epoch_seconds,
         "wall_seconds_train_grpo": round(wall, 2),

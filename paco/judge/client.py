@@ -183,7 +183,7 @@ class JudgeClient:
                 raise JudgeContextLengthError(
                     f"judge request to {exc.url} refused ({status}): the judge prompt is {n} tokens and the "
                     f"judge's context is {limit} positions (prompt + 1 answer token must fit); shorten the "
-                    f"instruction (judge.instruction: rank, or a shorter theme) or the images. Server: {exc}",
+                    f"instruction (judge_endpoint.instruction: rank, or a shorter theme) or the images. Server: {exc}",
                     n, limit) from None
             raise JudgeError(f"judge request to {exc.url} failed ({status}): {exc}") from None
 

@@ -71,7 +71,7 @@ class JudgeContextError(ValueError):
             f"This model's maximum context length is {self.limit} tokens. However, you requested "
             f"{self.n_tokens + 1} tokens ({self.n_tokens} in the messages, 1 in the completion). "
             f"The {what} is {self.n_tokens} tokens, which with its answer token exceeds the judge's context "
-            f"of {self.limit} positions; shorten the instruction (e.g. judge.instruction: rank instead of a "
+            f"of {self.limit} positions; shorten the instruction (e.g. judge_endpoint.instruction: rank instead of a "
             "long theme) or the images. Nothing is truncated."
         )
 

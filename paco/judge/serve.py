@@ -4,7 +4,7 @@ At paper scale the judge is served by vLLM on GPUs::
 
     vllm serve data/reward_merge/model --served-model-name paco-reward --port 8000
 
-and the GRPO stage is pointed at it with ``judge.url: http://<host>:8000/v1``. This module is
+and the GRPO stage is pointed at it with ``judge_endpoint.url: http://<host>:8000/v1``. This module is
 the same protocol on a small transformers backend, for CPUs and tests::
 
     python -m paco.judge.serve --model data/reward_merge/model --served-model-name paco-reward --port 8000

@@ -58,8 +58,9 @@ Response format (the SFT target; paper §3.2 and Fig. 2: the first token is the 
     Yes. <reason>1. first reason. 2. second reason.</reason>
     No.                                   # fast variant: reasons=None
 
-The ``<reason>`` tag layout follows DESIGN.md; the released repository does not ship the
-PaCo-Dataset CoT files (they are on the Hugging Face hub), so the exact tag/spacing convention
+The ``<reason>`` tag layout is the task statement's (``Yes. <reason>...</reason>``); the released
+repository does not ship the PaCo-Dataset CoT files (they are on the Hugging Face hub), so the
+exact tag/spacing convention
 could not be checked against the authors' data. The first token (``Yes``/``No``), which is all
 the reward reads, is certain.
 """

@@ -18,7 +18,9 @@ Public API
   language model, and the wrapped model; :func:`parameter_counts`.
 * :func:`epoch_plan` / :func:`shard` -- the deterministic batch plan of an epoch and one
   process's part of a global micro-batch; :func:`distributed_loss_scale`.
-* :func:`fingerprint_parts` / :func:`fingerprint` -- what a checkpoint must match to be resumed.
+* the loop's steps over a :class:`RewardRun` and a :class:`RewardState`: :func:`setup`,
+  :func:`resume`, :func:`train_step`, :func:`evaluate_epoch`, :func:`save_checkpoint`,
+  :func:`save_adapter`, :func:`summarise`.
 * :func:`evaluate` -- mean loss, first-token accuracy and P(Yes) accuracy on a split.
 * :func:`make_accelerator`, :func:`cpu_threads_per_process`.
 
@@ -97,7 +99,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -508,6 +510,272 @@ class _LoraStateHooks:
         del models[:]
 
 
+@dataclass
+class RewardRun:
+    """What stays fixed through a judge training run: params, the accelerator, the data split,
+    the LoRA-wrapped model (prepared) with its optimizer and scheduler, the answer tokens, the
+    run identity and where state goes."""
+
+    cfg: RewardTrainParams
+    accelerator: Any
+    identity: RunIdentity
+    model: Any
+    processor: Any
+    optimizer: Any
+    scheduler: Any
+    params: list[torch.nn.Parameter]
+    answer: AnswerTokens
+    train_rows: list[SftRow]
+    train_available: int
+    test_rows: list[SftRow]
+    counts: dict[str, int]
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    checkpoints_dir: Path
+    plots_dir: Path | None
+    hooks: list[Any]
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.world * self.cfg.gradient_accumulation_steps
+
+
+@dataclass
+class RewardState:
+    """Where a judge training run is (checkpointed): the epoch (0-based) and the optimizer steps
+    done in it, the global step, the logged history; and this run's bookkeeping."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    history: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"train": [], "eval": []})
+    resume: ckpt.Resume | None = None
+    steps_this_run: int = 0
+    train_seconds: float = 0.0
+
+
+def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, base_dir: str | os.PathLike[str],
+          identity: RunIdentity, *, accelerator: Any, checkpoints_dir: str | os.PathLike[str],
+          plots_dir: str | os.PathLike[str] | None) -> RewardRun:
+    """Read the sft rows, load the judge with LoRA on its language model, build the optimizer
+    and the scheduler, prepare them with ``accelerator`` and register the checkpoint hooks.
+
+    Raises:
+        ArtifactError: a bad sft table. ValueError: fewer training rows than one optimizer
+        step's global batch, a LoRA target name matching nothing, an accelerator whose
+        accumulation differs from ``cfg``.
+    """
+    from accelerate.utils import set_seed
+    from transformers import get_scheduler
+
+    from paco.models.loading import load_judge
+
+    if accelerator.gradient_accumulation_steps != cfg.gradient_accumulation_steps:
+        raise ValueError(f"accelerator.gradient_accumulation_steps={accelerator.gradient_accumulation_steps} "
+                         f"but cfg.gradient_accumulation_steps={cfg.gradient_accumulation_steps}")
+    world, main = accelerator.num_processes, accelerator.is_main_process
+    if accelerator.device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    train_all = load_sft_rows(sft, "train")
+    train_rows = subsample(train_all, cfg.max_train_pairs, cfg.seed)
+    test_rows = load_sft_rows(sft, "test")
+    bs, ga = cfg.batch_size, cfg.gradient_accumulation_steps
+    global_batch = bs * world * ga
+    if len(train_rows) < global_batch:
+        raise ValueError(
+            f"{len(train_rows)} training pairs is fewer than one optimizer step's global batch "
+            f"{global_batch} (= batch_size {bs} x processes {world} x gradient_accumulation_steps {ga})"
+        )
+    steps_per_epoch = len(train_rows) // global_batch
+    total_steps = steps_per_epoch * cfg.epochs
+    warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
+
+    set_seed(cfg.seed)
+    on_gpu = accelerator.device.type == "cuda"
+    dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and on_gpu) else torch.float32
+    model, processor = load_judge(base_dir, dtype=dtype)
+    answer = check_answer_tokens(processor.tokenizer)
+    lm_prefix = language_model_prefix(model)
+    model = apply_lora(model, cfg.lora)
+    counts = parameter_counts(model)
+    if main:
+        log.info("LoRA r=%d alpha=%g on %s (%s): %d trainable of %d parameters (%.3f%%)", cfg.lora.rank,
+                 cfg.lora.alpha, lm_prefix, ",".join(cfg.lora.target_modules), counts["trainable"],
+                 counts["total"], 100.0 * counts["trainable"] / counts["total"])
+        log.info("%d train pairs (%d available), %d test pairs; global batch %d = %d x %d processes x %d "
+                 "accumulation; %d steps/epoch x %d epochs, %d warmup; %d threads/process on %s",
+                 len(train_rows), len(train_all), len(test_rows), global_batch, bs, world, ga, steps_per_epoch,
+                 cfg.epochs, warmup_steps, torch.get_num_threads(), accelerator.device)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    sched_name = "constant_with_warmup" if (cfg.lr_scheduler == "constant" and warmup_steps) else cfg.lr_scheduler
+    scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if ds_plugin is not None:  # no dataloader is prepared, so DeepSpeed is told the micro-batch
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = bs
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Not prepared: a prepared scheduler steps once per process per optimizer step. Stepped by
+    # hand once per optimizer step and checkpointed as a registered object.
+    accelerator.register_for_checkpointing(scheduler)
+    hooks = _LoraStateHooks(accelerator)
+    handles = [accelerator.register_save_state_pre_hook(hooks.save),
+               accelerator.register_load_state_pre_hook(hooks.load)]
+    return RewardRun(
+        cfg=cfg, accelerator=accelerator, identity=identity.extended(num_processes=world, device=accelerator.device.type),
+        model=model, processor=processor, optimizer=optimizer, scheduler=scheduler, params=params, answer=answer,
+        train_rows=train_rows, train_available=len(train_all), test_rows=test_rows, counts=counts,
+        steps_per_epoch=steps_per_epoch, total_steps=total_steps, warmup_steps=warmup_steps,
+        checkpoints_dir=Path(checkpoints_dir), plots_dir=Path(plots_dir) if (plots_dir is not None and main) else None,
+        hooks=handles,
+    )
+
+
+def resume(run: RewardRun) -> RewardState:
+    """The newest readable checkpoint written under the same run identity (decided by the main
+    process, :func:`paco.core.checkpoints.find_resumable`, and broadcast), loaded into the model,
+    optimizer, scheduler and RNGs (``accelerator.load_state``), or a fresh state."""
+    found = None
+    if run.main:
+        found = ckpt.find_resumable(
+            run.checkpoints_dir, CHECKPOINT_PREFIX, run.identity, main=True, log=log,
+            required_files=[LORA_STATE_FILE, "optimizer.bin"] + [f"random_states_{r}.pkl" for r in range(run.world)])
+        if found.path is None:
+            log.info("starting fresh: %s", found.reason)
+    if run.world > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [found]
+        broadcast_object_list(box, from_process=0)
+        found = box[0]
+    state = RewardState(resume=found)
+    if found.path is not None:
+        run.accelerator.load_state(str(found.path))
+        saved = found.state
+        state.history = saved["history"]
+        state.epoch, state.step_in_epoch, state.global_step = saved["epoch"], saved["step_in_epoch"], saved["global_step"]
+        if run.main:
+            log.info("resuming from %s: epoch %d, %d/%d steps of it done, global step %d",
+                     found.path, state.epoch + 1, state.step_in_epoch, run.steps_per_epoch, state.global_step)
+    run.accelerator.wait_for_everyone()
+    return state
+
+
+def train_step(run: RewardRun, state: RewardState, micro_batches: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """One optimizer step over a plan step's global micro-batches (this process's shard of
+    each, :func:`shard`): forward, first-token-weighted loss (scaled for the global batch with
+    the ``reference`` variant), backward, clipping, the optimizer and scheduler steps. Returns
+    the step's ``plots/train.csv`` row (loss and first-token accuracy summed over processes).
+
+    Raises:
+        FloatingPointError: a non-finite loss. RuntimeError: accumulation out of step.
+    """
+    cfg, acc, model = run.cfg, run.accelerator, run.model
+    loss_sum, n_correct, grad_norm = 0.0, 0.0, None
+    for micro in micro_batches:
+        idx = shard(micro, acc.process_index, cfg.batch_size)
+        rows = [run.train_rows[j] for j in idx]
+        views = [row_images(run.train_rows[j], cfg.augment, seed=cfg.seed, epoch=state.epoch, index=j) for j in idx]
+        batch = encode_rows(run.processor, rows, run.answer, views)
+        with acc.accumulate(model):
+            with acc.autocast():
+                logits, labels = _forward(model, batch, acc.device)
+            loss = first_token_weighted_loss(logits, labels, cfg.first_token_weight, cfg.loss_variant)
+            if cfg.loss_variant == "reference" and run.world > 1:
+                # normalise by the global micro-batch's response tokens (see module doc)
+                n_local = (labels != IGNORE_INDEX).sum().to(torch.float64)
+                n_global = acc.reduce(n_local.clone(), reduction="sum")
+                loss = loss * distributed_loss_scale(cfg.loss_variant, float(n_local), float(n_global), run.world)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite training loss at step {state.global_step + 1}")
+            acc.backward(loss)
+            if acc.sync_gradients:
+                grad_norm = acc.clip_grad_norm_(run.params, cfg.max_grad_norm)
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        correct, _ = _answer_stats(logits.detach(), labels, run.answer)
+        loss_sum += float(loss.detach()) / cfg.gradient_accumulation_steps
+        n_correct += float(correct.sum())
+    if not acc.sync_gradients:
+        raise RuntimeError("gradient accumulation is out of step with the batch plan")
+    lr = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+    state.global_step += 1
+    stats = torch.tensor([loss_sum, n_correct], dtype=torch.float64, device=acc.device)
+    if run.world > 1:
+        stats = acc.reduce(stats, reduction="sum")
+    return {"step": state.global_step, "epoch": state.epoch + 1, "loss": float(stats[0]) / run.world,
+            "first_token_accuracy": float(stats[1]) / run.global_batch, "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm), "pairs": state.global_step * run.global_batch}
+
+
+def evaluate_epoch(run: RewardRun, state: RewardState, epoch: int) -> dict[str, Any]:
+    """:func:`evaluate` on the test split after ``epoch`` epochs; its ``plots/eval.csv`` row."""
+    res = evaluate(run.accelerator.unwrap_model(run.model), run.processor, run.test_rows, run.cfg, run.accelerator,
+                   run.answer)
+    if run.main:
+        log.info("eval after epoch %d: %s", epoch,
+                 ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
+    return {"epoch": epoch, "step": state.global_step, **res}
+
+
+def save_checkpoint(run: RewardRun, state: RewardState) -> str:
+    """``step-NNNNNNN/``: ``accelerator.save_state`` (LoRA weights via the hook, optimizer,
+    scheduler, every process's RNG state) plus ``trainer_state.json`` (run identity, position,
+    history); written to a temp directory and renamed; the newest :data:`KEEP_CHECKPOINTS` kept.
+    Also rewrites ``plots/*.csv``."""
+    acc, ckdir = run.accelerator, run.checkpoints_dir
+    name = f"{CHECKPOINT_PREFIX}{state.global_step:07d}"
+    tmp = ckdir / f".tmp-{name}"
+    if run.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        ckdir.mkdir(parents=True, exist_ok=True)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp))
+    acc.wait_for_everyone()
+    if run.main:
+        write_json(tmp / STATE_FILE, {
+            **run.identity.to_state(), "epoch": state.epoch, "step_in_epoch": state.step_in_epoch,
+            "steps_per_epoch": run.steps_per_epoch, "global_step": state.global_step, "history": state.history,
+        })
+        ckpt.replace_dir(tmp, ckdir / name)
+        ckpt.prune(ckdir, CHECKPOINT_PREFIX, KEEP_CHECKPOINTS)
+        ckpt.write_plot_csvs(run.plots_dir, state.history)
+    acc.wait_for_everyone()
+    return str(ckdir / name)
+
+
+def save_adapter(run: RewardRun, adapter_dir: str | os.PathLike[str] | None) -> None:
+    """The PEFT adapter (``adapter_config.json``, ``adapter_model.safetensors``, canonical
+    bytes) written by the main process via a temp directory and a rename; ``get_state_dict`` is a
+    collective under FSDP / ZeRO-3, so every process calls this."""
+    acc = run.accelerator
+    acc.wait_for_everyone()
+    unwrapped = acc.unwrap_model(run.model)
+    state_dict = acc.get_state_dict(run.model)
+    if run.main and adapter_dir is not None:
+        target = Path(adapter_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True,
+                                  save_embedding_layers=False)
+        ckpt.canonicalise_adapter_dir(tmp)
+        for f in tmp.iterdir():  # safetensors creates its file 0600; keep the usual permissions
+            f.chmod(0o644)
+        ckpt.replace_dir(tmp, target)
+        log.info("adapter saved to %s", target)
+
+
 def train_reward(
     cfg: RewardTrainParams,
     sft: str | os.PathLike[str] | pd.DataFrame,
@@ -522,7 +790,10 @@ def train_reward(
     eval_at_start: bool = False,
     log_every: int = 10,
 ) -> dict[str, Any]:
-    """Train the judge's LoRA adapter (see the module docstring for the semantics).
+    """Train the judge's LoRA adapter (see the module docstring for the semantics): :func:`setup`,
+    :func:`resume`, then per optimizer step :func:`train_step`, at each epoch end
+    :func:`evaluate_epoch`, and :func:`save_checkpoint` at epoch ends and every
+    ``checkpoint_every`` steps; finally :func:`save_adapter`.
 
     Args:
         cfg: the ``reward_train`` params section.
@@ -531,9 +802,7 @@ def train_reward(
         base_dir: the base judge directory (``models`` stage ``judge_base``).
         identity: the stage's run identity (:func:`paco.core.run_identity.stage_identity`); the
             process count and device type are added here.
-        adapter_dir: where the PEFT adapter (``adapter_config.json``,
-            ``adapter_model.safetensors``) is written by the main process, via a temp dir and a
-            rename; ``None``: not saved.
+        adapter_dir: where the PEFT adapter is written; ``None``: not saved.
         checkpoints_dir: resumable checkpoints (persisted between runs).
         plots_dir: ``train.csv`` / ``eval.csv`` (main process; ``None``: not written).
         accelerator: an ``accelerate.Accelerator`` (default :func:`make_accelerator`); its
@@ -554,246 +823,84 @@ def train_reward(
         step's global batch, a target not starting with its label's answer token, a LoRA
         target name matching nothing. FloatingPointError: a non-finite training loss.
     """
-    from accelerate.utils import set_seed
-    from transformers import get_scheduler
-
-    from paco.models.loading import load_judge
-
     t_start = time.perf_counter()
     accelerator = accelerator or make_accelerator(cfg)
-    if accelerator.gradient_accumulation_steps != cfg.gradient_accumulation_steps:
-        raise ValueError(f"accelerator.gradient_accumulation_steps={accelerator.gradient_accumulation_steps} "
-                         f"but cfg.gradient_accumulation_steps={cfg.gradient_accumulation_steps}")
-    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
-    if accelerator.device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    threads = torch.get_num_threads()
+    run = setup(cfg, sft, base_dir, identity, accelerator=accelerator, checkpoints_dir=checkpoints_dir,
+                plots_dir=plots_dir)
+    state = resume(run)
+    if eval_at_start and state.global_step == 0 and not state.history["eval"]:
+        state.history["eval"].append(evaluate_epoch(run, state, 0))
 
-    # ---------------- data
-    train_all = load_sft_rows(sft, "train")
-    train_rows = subsample(train_all, cfg.max_train_pairs, cfg.seed)
-    test_rows = load_sft_rows(sft, "test")
-    bs, ga = cfg.batch_size, cfg.gradient_accumulation_steps
-    global_batch = bs * world * ga
-    if len(train_rows) < global_batch:
-        raise ValueError(
-            f"{len(train_rows)} training pairs is fewer than one optimizer step's global batch "
-            f"{global_batch} (= batch_size {bs} x processes {world} x gradient_accumulation_steps {ga})"
-        )
-    steps_per_epoch = len(train_rows) // global_batch
-    total_steps = steps_per_epoch * cfg.epochs
-    warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
-
-    # ---------------- model, optimizer, scheduler
-    set_seed(cfg.seed)
-    on_gpu = accelerator.device.type == "cuda"
-    dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and on_gpu) else torch.float32
-    model, processor = load_judge(base_dir, dtype=dtype)
-    answer = check_answer_tokens(processor.tokenizer)
-    lm_prefix = language_model_prefix(model)
-    model = apply_lora(model, cfg.lora)
-    counts = parameter_counts(model)
-    if main:
-        log.info("LoRA r=%d alpha=%g on %s (%s): %d trainable of %d parameters (%.3f%%)", cfg.lora.rank,
-                 cfg.lora.alpha, lm_prefix, ",".join(cfg.lora.target_modules), counts["trainable"],
-                 counts["total"], 100.0 * counts["trainable"] / counts["total"])
-        log.info("%d train pairs (%d available), %d test pairs; global batch %d = %d x %d processes x %d "
-                 "accumulation; %d steps/epoch x %d epochs, %d warmup; %d threads/process on %s",
-                 len(train_rows), len(train_all), len(test_rows), global_batch, bs, world, ga, steps_per_epoch,
-                 cfg.epochs, warmup_steps, threads, accelerator.device)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    sched_name = "constant_with_warmup" if (cfg.lr_scheduler == "constant" and warmup_steps) else cfg.lr_scheduler
-    scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
-    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if ds_plugin is not None:  # no dataloader is prepared, so DeepSpeed is told the micro-batch
-        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = bs
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # Not prepared: a prepared scheduler steps once per process per optimizer step. Stepped by
-    # hand once per optimizer step and checkpointed as a registered object.
-    accelerator.register_for_checkpointing(scheduler)
-    hooks = _LoraStateHooks(accelerator)
-    handles = [accelerator.register_save_state_pre_hook(hooks.save),
-               accelerator.register_load_state_pre_hook(hooks.load)]
-
-    # ---------------- resume or start fresh
-    identity = identity.extended(num_processes=world, device=accelerator.device.type)
-    ckdir = Path(checkpoints_dir)
-    history: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
-    epoch, step_in_epoch, global_step, resumed_from = 0, 0, 0, None
-    found = None
-    if main:  # decided once, by the main process
-        found = ckpt.find_resumable(ckdir, CHECKPOINT_PREFIX, identity, main=True, log=log,
-                                    required_files=[f"random_states_{r}.pkl" for r in range(world)])
-        if found.path is None:
-            log.info("starting fresh: %s", found.reason)
-    if world > 1:
-        from accelerate.utils import broadcast_object_list
-
-        box = [found]
-        broadcast_object_list(box, from_process=0)
-        found = box[0]
-    if found.path is not None:
-        latest, state = found.path, found.state
-        accelerator.load_state(str(latest))
-        history = state["history"]
-        epoch, step_in_epoch, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
-        resumed_from = latest.name
-        if main:
-            log.info("resuming from %s: epoch %d, %d/%d steps of it done, global step %d",
-                     latest, epoch + 1, step_in_epoch, steps_per_epoch, global_step)
-    accelerator.wait_for_everyone()
-    plots = Path(plots_dir) if (plots_dir is not None and main) else None
-
-    def save_checkpoint() -> str:
-        name = f"{CHECKPOINT_PREFIX}{global_step:07d}"
-        tmp = ckdir / f".tmp-{name}"
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            ckdir.mkdir(parents=True, exist_ok=True)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
-        if main:
-            write_json(tmp / STATE_FILE, {
-                **identity.to_state(), "epoch": epoch, "step_in_epoch": step_in_epoch,
-                "steps_per_epoch": steps_per_epoch, "global_step": global_step, "history": history,
-            })
-            ckpt.replace_dir(tmp, ckdir / name)
-            ckpt.prune(ckdir, CHECKPOINT_PREFIX, KEEP_CHECKPOINTS)
-            ckpt.write_plot_csvs(plots, history)
-        accelerator.wait_for_everyone()
-        return str(ckdir / name)
-
-    def run_eval(ep: int) -> None:
-        res = evaluate(accelerator.unwrap_model(model), processor, test_rows, cfg, accelerator, answer)
-        history["eval"].append({"epoch": ep, "step": global_step, **res})
-        if main:
-            log.info("eval after epoch %d: %s", ep,
-                     ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
-
-    if eval_at_start and global_step == 0 and not history["eval"]:
-        run_eval(0)
-
-    # ---------------- loop
     t_loop = time.perf_counter()
-    steps_this_run, train_seconds = 0, 0.0
-    while epoch < cfg.epochs:
-        plan = epoch_plan(len(train_rows), seed=cfg.seed, epoch=epoch, batch_size=bs, num_processes=world,
-                          grad_accum=ga)
-        for s in range(step_in_epoch, steps_per_epoch):
+    while state.epoch < cfg.epochs:
+        plan = epoch_plan(len(run.train_rows), seed=cfg.seed, epoch=state.epoch, batch_size=cfg.batch_size,
+                          num_processes=run.world, grad_accum=cfg.gradient_accumulation_steps)
+        for s in range(state.step_in_epoch, run.steps_per_epoch):
             t_step = time.perf_counter()
-            loss_sum, n_correct, grad_norm = 0.0, 0.0, None
-            for micro in plan[s]:
-                idx = shard(micro, rank, bs)
-                rows = [train_rows[j] for j in idx]
-                views = [row_images(train_rows[j], cfg.augment, seed=cfg.seed, epoch=epoch, index=j) for j in idx]
-                batch = encode_rows(processor, rows, answer, views)
-                with accelerator.accumulate(model):
-                    with accelerator.autocast():
-                        logits, labels = _forward(model, batch, accelerator.device)
-                    loss = first_token_weighted_loss(logits, labels, cfg.first_token_weight, cfg.loss_variant)
-                    if cfg.loss_variant == "reference" and world > 1:
-                        # normalise by the global micro-batch's response tokens (see module doc)
-                        n_local = (labels != IGNORE_INDEX).sum().to(torch.float64)
-                        n_global = accelerator.reduce(n_local.clone(), reduction="sum")
-                        loss = loss * distributed_loss_scale(cfg.loss_variant, float(n_local), float(n_global), world)
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"non-finite training loss at step {global_step + 1}")
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                correct, _ = _answer_stats(logits.detach(), labels, answer)
-                loss_sum += float(loss.detach()) / ga
-                n_correct += float(correct.sum())
-            if not accelerator.sync_gradients:
-                raise RuntimeError("gradient accumulation is out of step with the batch plan")
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            global_step += 1
-            step_in_epoch = s + 1
-            steps_this_run += 1
-            stats = torch.tensor([loss_sum, n_correct], dtype=torch.float64, device=accelerator.device)
-            if world > 1:
-                stats = accelerator.reduce(stats, reduction="sum")
-            row = {
-                "step": global_step, "epoch": epoch + 1, "loss": float(stats[0]) / world,
-                "first_token_accuracy": float(stats[1]) / global_batch, "lr": lr,
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "pairs": global_step * global_batch,
-            }
-            history["train"].append(row)
-            train_seconds += time.perf_counter() - t_step
-            if main and (global_step % log_every == 0 or global_step == total_steps):
+            row = train_step(run, state, plan[s])
+            state.step_in_epoch = s + 1
+            state.steps_this_run += 1
+            state.history["train"].append(row)
+            state.train_seconds += time.perf_counter() - t_step
+            if run.main and (state.global_step % log_every == 0 or state.global_step == run.total_steps):
                 log.info("step %d/%d (epoch %d) loss %.4f first-token acc %.3f lr %.2e | %.3f s/step",
-                         global_step, total_steps, epoch + 1, row["loss"], row["first_token_accuracy"], lr,
-                         train_seconds / steps_this_run)
-            end_of_epoch = step_in_epoch == steps_per_epoch
+                         state.global_step, run.total_steps, state.epoch + 1, row["loss"], row["first_token_accuracy"],
+                         row["lr"], state.train_seconds / state.steps_this_run)
+            end_of_epoch = state.step_in_epoch == run.steps_per_epoch
             if end_of_epoch:
-                run_eval(epoch + 1)
-            ck = save_checkpoint() if (end_of_epoch or global_step % cfg.checkpoint_every == 0) else None
+                state.history["eval"].append(evaluate_epoch(run, state, state.epoch + 1))
+            ck = (save_checkpoint(run, state) if (end_of_epoch or state.global_step % cfg.checkpoint_every == 0)
+                  else None)
             if callback is not None:
-                callback(StepInfo(global_step, epoch + 1, step_in_epoch, steps_per_epoch, total_steps,
-                                  row["loss"], ck))
-        epoch, step_in_epoch = epoch + 1, 0
+                callback(StepInfo(state.global_step, state.epoch + 1, state.step_in_epoch, run.steps_per_epoch,
+                                  run.total_steps, row["loss"], ck))
+        state.epoch, state.step_in_epoch = state.epoch + 1, 0
     loop_seconds = time.perf_counter() - t_loop
 
-    # ---------------- the adapter
+    save_adapter(run, adapter_dir)
+    if run.main:
+        ckpt.write_plot_csvs(run.plots_dir, state.history)
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP / ZeRO-3
-    if main and adapter_dir is not None:
-        target = Path(adapter_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True,
-                                  save_embedding_layers=False)
-        ckpt.canonicalise_adapter_dir(tmp)
-        for f in tmp.iterdir():  # safetensors creates its file 0600; keep the usual permissions
-            f.chmod(0o644)
-        ckpt.replace_dir(tmp, target)
-        log.info("adapter saved to %s", target)
-    if main:
-        ckpt.write_plot_csvs(plots, history)
-    accelerator.wait_for_everyone()
-    for h in handles:
+    for h in run.hooks:
         h.remove()
+    return summarise(run, state, loop_seconds=loop_seconds, wall=time.perf_counter() - t_start)
 
+
+def summarise(run: RewardRun, state: RewardState, *, loop_seconds: float, wall: float) -> dict[str, Any]:
+    """``{"metrics": ..., "report": ...}`` of a finished run (see :func:`train_reward`)."""
+    cfg, history = run.cfg, state.history
     last_epoch = [r["loss"] for r in history["train"] if r["epoch"] == cfg.epochs]
     final = history["eval"][-1] if history["eval"] else {}
     metrics = {
         "eval_final": {k: final.get(k) for k in ("p_yes_accuracy", "first_token_accuracy", "loss")},
         "train_loss_last_epoch_mean": float(np.mean(last_epoch)) if last_epoch else None,
     }
+    n = state.steps_this_run
     report = {
-        "run_identity": {"digest": identity.digest, **found.to_report()},
-        "train_pairs": len(train_rows),
-        "train_pairs_available": len(train_all),
-        "test_pairs": len(test_rows),
-        "parameters": counts,
-        "lora_target_modules": sorted(unwrapped.peft_config["default"].target_modules),
-        "processes": world,
-        "torch_threads_per_process": threads,
-        "device": accelerator.device.type,
-        "mixed_precision": str(accelerator.mixed_precision),
-        "global_batch": global_batch,
-        "steps_per_epoch": steps_per_epoch,
-        "total_steps": total_steps,
-        "warmup_steps": warmup_steps,
-        "dropped_pairs_per_epoch": len(train_rows) - steps_per_epoch * global_batch,
+        "run_identity": {"digest": run.identity.digest, **(state.resume.to_report() if state.resume else {})},
+        "train_pairs": len(run.train_rows),
+        "train_pairs_available": run.train_available,
+        "test_pairs": len(run.test_rows),
+        "parameters": run.counts,
+        "lora_target_modules": sorted(run.accelerator.unwrap_model(run.model).peft_config["default"].target_modules),
+        "processes": run.world,
+        "torch_threads_per_process": torch.get_num_threads(),
+        "device": run.accelerator.device.type,
+        "mixed_precision": str(run.accelerator.mixed_precision),
+        "global_batch": run.global_batch,
+        "steps_per_epoch": run.steps_per_epoch,
+        "total_steps": run.total_steps,
+        "warmup_steps": run.warmup_steps,
+        "dropped_pairs_per_epoch": len(run.train_rows) - run.steps_per_epoch * run.global_batch,
         "train_loss_final": history["train"][-1]["loss"] if history["train"] else None,
         "eval": history["eval"],
         "eval_final": final,
-        "resumed_from": resumed_from,
-        "steps_this_run": steps_this_run,
+        "resumed_from": state.resume.path.name if (state.resume and state.resume.path) else None,
+        "steps_this_run": n,
         # training steps only (eval and checkpoints excluded); wall-clock, so machine-dependent
-        "seconds_per_step": round(train_seconds / steps_this_run, 4) if steps_this_run else None,
-        "train_pairs_per_second": round(steps_this_run * global_batch / train_seconds, 2) if steps_this_run else None,
+        "seconds_per_step": round(state.train_seconds / n, 4) if n else None,
+        "train_pairs_per_second": round(n * run.global_batch / state.train_seconds, 2) if n else None,
         "loop_seconds": round(loop_seconds, 2),
-        "wall_seconds_train_reward": round(time.perf_counter() - t_start, 2),
+        "wall_seconds_train_reward": round(wall, 2),
     }
     return {"metrics": metrics, "report": report}

@@ -1,6 +1,6 @@
 """A small built-in English corpus for training the tiny tokenizers offline.
 
-The tiny models of the embedded default (DESIGN.md §4) need tokenizers, and there is no hub to
+The tiny models of the embedded default (docs/architecture.md §10) need tokenizers, and there is no hub to
 download one from, so :mod:`paco.models.tokenizers` trains them on this corpus. It covers what
 the pipeline feeds a tokenizer: image-set prompts (subjects, styles, settings), grid panel tags
 (``[TOP]``, ``[TOP-LEFT]`` ...), numbers and punctuation, the judge's prompt templates verbatim,

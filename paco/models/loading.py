@@ -4,7 +4,7 @@ Every later stage loads its models through these functions, so the tiny embedded
 real hub snapshot go through the same code. Nothing here touches the network: each loader
 passes ``local_files_only=True``.
 
-Classes are chosen so that nothing needs torchvision (DESIGN.md §4):
+Classes are chosen so that nothing needs torchvision (docs/architecture.md §10):
 
 * the judge's processor is :class:`Qwen2_5_VLImageOnlyProcessor`, a subclass of
   ``Qwen2_5_VLProcessor`` with an image processor and a tokenizer but no video processor (the

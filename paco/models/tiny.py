@@ -1,6 +1,6 @@
 """Tiny random-init models, built offline and saved in Hugging Face format.
 
-The embedded default has no hub (DESIGN.md §4): the ``models`` stage calls :func:`build_tiny`,
+The embedded default has no hub (docs/architecture.md §10): the ``models`` stage calls :func:`build_tiny`,
 which trains a tokenizer on the built-in corpus, constructs the model from a small config with
 weights drawn from ``torch.manual_seed(seed)``, and writes everything with ``save_pretrained``
 (safetensors). Later stages load the directory with ``from_pretrained`` exactly as they would a

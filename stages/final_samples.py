@@ -1,14 +1,14 @@
-"""Stage ``sample@<subtask>``: final ODE samples of the test prompts with and without the LoRA.
+"""Stage ``final_samples@<subtask>``: final ODE samples of the test prompts with and without the LoRA.
 
 ::
 
-    accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.sample \\
+    accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.final_samples \\
         --params params.yaml --subtask t2is --prompts data/prompts/prompts.parquet \\
         --policy data/models/policy_t2is --lora data/grpo/t2is/lora --judge data/reward_merge/model \\
-        --clip data/models/clip --out data/sample/t2is/samples.parquet --sheets data/sample/t2is/sheets \\
-        --metrics data/sample/t2is/metrics.json
+        --clip data/models/clip --out data/final_samples/t2is/samples.parquet --sheets data/final_samples/t2is/sheets \\
+        --metrics data/final_samples/t2is/metrics.json
 
-Params ``sample.<subtask>`` (:class:`paco.core.params.SampleSubtaskParams`), ``judge`` (served like in
+Params ``final_samples.<subtask>`` (:class:`paco.core.params.FinalSamplesParams`), ``judge_endpoint`` (served like in
 ``grpo@<subtask>``), ``subfigures``. Writes ``samples.parquet`` (one row per grid and variant:
 the grid, its panels, their boxes, every reward), ``sheets/base.png`` and ``sheets/lora.png``
 (contact sheets) and ``metrics.json`` (each reward with and without the LoRA).
@@ -58,7 +58,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     from paco.grpo.rewards import RewardError
     from paco.grpo.final_samples import final_samples
 
-    cfg = subtask_params(params, "sample", args.subtask)
+    cfg = subtask_params(params, "final_samples", args.subtask)
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     if not (args.lora / "pytorch_lora_weights.safetensors").is_file():
         raise ArtifactError(f"{args.lora}: no pytorch_lora_weights.safetensors (run grpo@{args.subtask})")
@@ -71,7 +71,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
                                                    rank=accelerator.process_index, world=accelerator.num_processes,
                                                    accelerator=accelerator)
     except (JudgeError, RewardError) as exc:
-        raise ArtifactError(f"sample@{args.subtask}: {exc}") from exc
+        raise ArtifactError(f"final_samples@{args.subtask}: {exc}") from exc
     if not accelerator.is_main_process:
         args.metrics = None
         return {}
@@ -85,7 +85,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
         (tmp / f"{variant}.png").write_bytes(buf.getvalue())  # the directory is renamed into place
     replace_dir(tmp, args.sheets)
     for name, r in metrics["rewards"].items():
-        log.info("sample@%s %-12s base %.4f -> lora %.4f (diff %+.4f, improved %.0f%%, p=%s)", args.subtask, name,
+        log.info("final_samples@%s %-12s base %.4f -> lora %.4f (diff %+.4f, improved %.0f%%, p=%s)", args.subtask, name,
                  r["base_mean"], r["lora_mean"], r["lora_minus_base"], 100 * r["improved_fraction"],
                  r.get("paired_t_p_value"))
     metrics.update({"subtask": args.subtask, "resolution": cfg.resolution, "num_steps": cfg.num_steps,
@@ -98,7 +98,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run("sample", argv, _args, _body, description=__doc__.splitlines()[0])
+    return run("final_samples", argv, _args, _body, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
