@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 
 from paco.models.clip import ClipScorer  # noqa: E402
+from paco.core.run_identity import params_identity  # noqa: E402
 from paco.grpo.trainer import train_grpo  # noqa: E402
 from paco.core.io import read_parquet  # noqa: E402
 from paco.judge.client import JudgeClient, LocalJudgeServer  # noqa: E402
@@ -77,13 +78,15 @@ def main() -> None:
                        "eval": {**raw["eval"], "every": 10_000}}
                 cfg = GrpoSubtaskParams.model_validate(raw)
                 t0 = time.perf_counter()
-                m = train_grpo(cfg, prompts, args.models / "policy_t2is", ctx, lora_dir=None,
-                               checkpoints_dir=Path(tmp) / f"ck{res}")
+                identity = params_identity("grpo@t2is", {"grpo.t2is": cfg.model_dump(mode="json"),
+                                                         "judge_endpoint": judge, "subfigures": params["subfigures"]})
+                m = train_grpo(cfg, prompts, args.models / "policy_t2is", ctx, identity=identity, lora_dir=None,
+                               checkpoints_dir=Path(tmp) / f"ck{res}")["report"]
                 wall = time.perf_counter() - t0
                 s = m["seconds"]
                 per = {k: s[k] / args.epochs for k in ("rollout", "reward", "train")}
                 results[res] = sum(per.values())
-                print(f"train resolution {res:5d}px: {results[res]:6.2f} s/epoch  (sampling {per['sample']:.2f}, "
+                print(f"train resolution {res:5d}px: {results[res]:6.2f} s/epoch  (rollouts {per['rollout']:.2f}, "
                       f"rewards {per['reward']:.2f}, update {per['train']:.2f}; {m['trajectories_per_epoch']} "
                       f"trajectories/epoch; wall {wall:.1f} s incl. setup and the first and final eval)", flush=True)
         lo, hi = args.resolutions

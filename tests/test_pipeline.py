@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,9 +40,18 @@ def _env() -> dict[str, str]:
     return env
 
 
-def sh(args: list[str], cwd: Path, timeout: int = 900) -> str:
-    proc = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
+def sh(args: list[str], cwd: Path, timeout: int = 1800) -> str:
+    """Run a command; on a timeout kill its whole process group (stage processes included, so
+    no orphan keeps the cores busy for the tests after it)."""
+    proc = subprocess.Popen(args, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    out = stdout + stderr
     assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{out[-6000:]}"
     return out
 
