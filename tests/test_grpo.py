@@ -356,3 +356,36 @@ def test_a_continued_run_keeps_only_the_evaluations_of_its_schedule(tiny_model_d
     assert list(pd.read_csv(tmp_path / "pa" / "eval.csv")["epoch"]) == [0, 2, 4]
     assert (tmp_path / "pa" / "eval.csv").read_bytes() == (tmp_path / "pf" / "eval.csv").read_bytes()
     assert _bytes(tmp_path / "a") == _bytes(tmp_path / "f") and longer["metrics"] == fresh["metrics"]
+
+
+def test_evaluation_schedule():
+    from paco.grpo.trainer import evaluation_epochs
+
+    assert evaluation_epochs(16, 8) == [0, 8, 16]
+    assert evaluation_epochs(3, 2) == [0, 2, 3]
+    assert evaluation_epochs(4, 100) == [0, 4]
+
+
+def test_the_loop_steps_one_at_a_time(tiny_model_dirs, tmp_path):
+    """setup -> rollout -> reward -> advantages -> update, each called alone on one epoch."""
+    from paco.grpo import trainer as T
+
+    cfg = _cfg(epochs=1)
+    run = T.setup(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(), _identity(cfg),
+                  checkpoints_dir=tmp_path / "ck", plots_dir=None, accelerator=None)
+    assert (len(run.train_ids), len(run.eval_prompts), run.n_traj) == (4, 2, 8)
+    roll = T.rollout(run, 0)
+    assert [t.index for t in roll.trajectories] == list(range(8)) and len(roll.images) == 8
+    assert roll.chosen == T.epoch_prompts(run.train_ids, 2, cfg.seed, 0)
+    rewards = T.reward(run, roll)
+    assert rewards["test_red_minus_blue"].shape == (8,)
+    adv = T.advantages(run, rewards, roll.chosen)
+    # weighted_sum with the batch std: zero mean within each group of 4
+    np.testing.assert_allclose(adv.advantages.reshape(2, 4).mean(axis=1), 0.0, atol=1e-12)
+    before = {n: p.detach().clone() for n, p in run.trained.items()}
+    state = T.GrpoState()
+    stats = T.update(run, roll, adv.advantages, 0, state)
+    assert stats["n"] == 8 and state.first_update_ratio_dev and max(state.first_update_ratio_dev) == 0.0
+    assert any(not torch.equal(before[n], p) for n, p in run.trained.items())  # the step moved the LoRA
+    row = T.epoch_row(run, 0, rewards, adv, stats)
+    assert row["epoch"] == 1 and "seconds" not in row  # plots hold deterministic figures only
