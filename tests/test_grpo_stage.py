@@ -115,7 +115,7 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     m = json.loads((g / "report.json").read_text())
     assert m["epochs_this_run"] == 2 and m["judge"]["requests"] > 0
-    assert set(json.loads((g / "metrics.json").read_text())) == {"train_reward", "eval_reward"}
+    assert set(json.loads((g / "metrics.json").read_text())) == {"train_gain", "train_gain_p", "eval_reward"}
     assert (g / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (g / "ck" / "judge_server.log").is_file() and len(list((g / "ck").glob("epoch-*"))) == 2
     for name in ("train.csv", "eval.csv"):
@@ -126,8 +126,9 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     samples = pd.read_parquet(s / "samples.parquet")
     assert len(samples) == 2 * 2 and set(samples["variant"]) == {"base", "lora"}
     assert all(len(p) == 4 for p in samples["panels"])
-    sm = json.loads((s / "metrics.json").read_text())
+    sm = json.loads((s / "report.json").read_text())
     assert set(sm["rewards"]) == {"consistency", "clip_t", "pickscore"}
+    assert set(json.loads((s / "metrics.json").read_text())) == {"consistency_gain", "consistency_p"}
     assert {p.name for p in (s / "sheets").iterdir()} == {"base.png", "lora.png"}
 
 

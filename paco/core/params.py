@@ -554,7 +554,8 @@ class FinalSamplesParams(_Section):
     seeds_per_prompt: int = Field(1, ge=1)
     batch_size: int = Field(4, ge=1)
     max_sequence_length: int = Field(512, ge=8, le=512)
-    rewards: list[str] = Field(default_factory=lambda: ["consistency", "clip_t", "pickscore"])
+    rewards: list[str] = Field(default_factory=lambda: ["consistency", "clip_t", "pickscore"],
+                               description="rewards scored (the first one's gain is the stage's headline metric)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16 applies on CUDA only")
     resources: SubtaskResources = Field(default_factory=SubtaskResources)
 
@@ -564,7 +565,7 @@ class FinalSamplesParams(_Section):
         from paco.grpo.rewards import REWARDS
 
         unknown = sorted(set(rewards) - set(REWARDS))
-        if unknown:
+        if unknown or not rewards:
             raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REWARDS)}")
         return rewards
 
