@@ -114,6 +114,7 @@ class Stage:
     evaluation: tuple[str, ...] = ()
     launch: tuple[str, ...] = ()
     subprocesses: tuple[str, ...] = ()
+    whole_params_file: bool = False
 
     @property
     def code(self) -> tuple[str, ...]:
@@ -200,6 +201,8 @@ class Member:
 
     def params_sections(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """Declared params keys (dotted) -> their values: a change of any reruns the member."""
+        if self.stage.whole_params_file:
+            return dict(config)
         out = {}
         for key in self.stage.params:
             node: Any = config
@@ -292,9 +295,10 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="params_check",
         args=(("--out", _d("params_check", "params.json")), ("--dvc-yaml", "dvc.yaml")),
-        # it also reads dvc.yaml, which DVC refuses as a dependency: the rendering changes only
-        # with params.yaml or the registry, both declared
-        deps=(PARAMS_FILE, "workflow/registry.py"),
+        # the whole params file is its params (any edit reruns it); it also reads dvc.yaml, which
+        # DVC refuses as a dependency: the rendering changes only with params.yaml or the registry
+        whole_params_file=True,
+        deps=("workflow/registry.py",),
         outs=(_d("params_check", "params.json"),),
     ),
     Stage(
@@ -550,7 +554,7 @@ def render_dvc(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     stages: dict[str, Any] = {}
     for s in STAGES:
         entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.active_deps(config)) + list(s.code),
-                                 "params": list(s.params)}
+                                 "params": [{PARAMS_FILE: None}] if s.whole_params_file else list(s.params)}
         entry["outs"] = list(s.out_dirs) + list(s.outs) + [{p: {"persist": True}} for p in s.persist]
         if s.metrics:
             entry["metrics"] = list(s.metrics)
