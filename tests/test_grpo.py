@@ -389,3 +389,16 @@ def test_the_loop_steps_one_at_a_time(tiny_model_dirs, tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in run.trained.items())  # the step moved the LoRA
     row = T.epoch_row(run, 0, rewards, adv, stats)
     assert row["epoch"] == 1 and "seconds" not in row  # plots hold deterministic figures only
+
+
+def test_an_evaluation_change_without_the_kept_weights_starts_fresh(tiny_model_dirs, tmp_path):
+    prompts = _prompts()
+    cfg = _cfg(epochs=2, save_every=1, eval=dict(every=1))
+    _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
+           checkpoints_dir=tmp_path / "ck")
+    (tmp_path / "ck" / "eval-weights" / "epoch-0001.safetensors").unlink()
+    changed = _cfg(epochs=2, save_every=1, eval=dict(every=1, num_steps=2))
+    again = _train(changed, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
+                   checkpoints_dir=tmp_path / "ck")
+    assert again["resumed_from"] is None and again["epochs_this_run"] == 2
+    assert "epochs [1] are missing" in again["run_identity"]["reason"]

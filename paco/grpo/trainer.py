@@ -576,6 +576,15 @@ def resume(run: GrpoRun) -> GrpoState:
                                             required_files=files)
                 found = ckpt.Resume(found.path, found.state, found.reason, found.evaluation_changed,
                                     skipped + found.skipped_corrupt)
+        if found.path is not None and found.evaluation_changed:
+            # re-evaluation needs the kept weights of every evaluation in the history
+            missing = [r["epoch"] for r in found.state["history"]["eval"]
+                       if not run.eval_weights_path(int(r["epoch"])).is_file()]
+            if missing:
+                log.warning("the evaluation params changed but the weights evaluated after epochs %s are missing: "
+                            "starting fresh", missing)
+                found = ckpt.Resume(None, None, f"evaluation changed and the kept weights of epochs {missing} are "
+                                    "missing", skipped_corrupt=found.skipped_corrupt)
         if found.path is None:
             for p in ckpt.list_checkpoints(ckdir, CHECKPOINT_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)
