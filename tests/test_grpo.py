@@ -402,3 +402,28 @@ def test_an_evaluation_change_without_the_kept_weights_starts_fresh(tiny_model_d
                    checkpoints_dir=tmp_path / "ck")
     assert again["resumed_from"] is None and again["epochs_this_run"] == 2
     assert "epochs [1] are missing" in again["run_identity"]["reason"]
+
+
+def test_lowering_epochs_to_a_checkpoint_adds_its_final_evaluation(tiny_model_dirs, tmp_path):
+    """A longer run's checkpoint at exactly the new epochs is resumed (epochs is continuable) but
+    never held that epoch's evaluation: it is made on resume, and the result equals a fresh run."""
+    prompts = _prompts()
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_2(info):
+        if info.epoch == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        _train(_cfg(epochs=4, save_every=1), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+               lora_dir=tmp_path / "a", checkpoints_dir=tmp_path / "ck", plots_dir=tmp_path / "pa", callback=stop_after_2)
+    short = _train(_cfg(epochs=2, save_every=1), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+                   lora_dir=tmp_path / "a", checkpoints_dir=tmp_path / "ck", plots_dir=tmp_path / "pa")
+    assert short["resumed_from"] == "epoch-0002" and short["epochs_this_run"] == 0
+    fresh = _train(_cfg(epochs=2, save_every=1), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+                   lora_dir=tmp_path / "f", checkpoints_dir=tmp_path / "ckf", plots_dir=tmp_path / "pf")
+    assert list(pd.read_csv(tmp_path / "pa" / "eval.csv")["epoch"]) == [0, 2]
+    assert (tmp_path / "pa" / "eval.csv").read_bytes() == (tmp_path / "pf" / "eval.csv").read_bytes()
+    assert _bytes(tmp_path / "a") == _bytes(tmp_path / "f") and short["metrics"] == fresh["metrics"]

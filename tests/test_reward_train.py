@@ -327,6 +327,22 @@ def test_another_run_identity_starts_fresh(baseline, tiny_model_dirs, sft_path, 
     assert list_checkpoints(ck) == []
 
 
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(baseline, tiny_model_dirs, sft_path,
+                                                                       tmp_path, caplog):
+    ck = tmp_path / "checkpoints"
+    shutil.copytree(baseline["out"] / "checkpoints", ck)
+    newest = list_checkpoints(ck)[-1]
+    opt = newest / "optimizer.bin"
+    opt.write_bytes(opt.read_bytes()[:64])  # truncated
+    with caplog.at_level(logging.WARNING, logger="paco.judge.training"):
+        m = train_reward(baseline["cfg"], sft_path, tiny_model_dirs["judge_base"], adapter_dir=tmp_path / "adapter",
+                         checkpoints_dir=ck)
+    assert m["resumed_from"] == list_checkpoints(baseline["out"] / "checkpoints")[-2].name
+    assert m["run_identity"]["skipped_corrupt"][0].startswith(newest.name) and "unreadable" in caplog.text
+    a, b = _adapter_tensors(baseline["out"] / "adapter"), _adapter_tensors(tmp_path / "adapter")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_too_few_pairs_is_an_error(tiny_model_dirs, tmp_path):
 
     with pytest.raises(ValueError, match="global batch"):

@@ -59,6 +59,17 @@ class Dep:
         return node in self.values
 
 
+def effective_params(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``config`` validated by the params schema, every default filled in (as plain data); an
+    invalid ``config`` is returned as it is (the stages and ``params_check`` report it)."""
+    from paco.core.params import ParamsError, validate_params
+
+    try:
+        return validate_params(dict(config)).model_dump(mode="json", by_alias=True)
+    except ParamsError:
+        return config
+
+
 def _path(dep: str | Dep) -> str:
     return dep.path if isinstance(dep, Dep) else dep
 
@@ -147,8 +158,10 @@ class Stage:
         return tuple(_path(d) for d in self.deps)
 
     def active_deps(self, config: Mapping[str, Any]) -> tuple[str, ...]:
-        """The data dependencies read under ``config`` (placeholders not resolved)."""
-        return tuple(_path(d) for d in self.deps if not isinstance(d, Dep) or d.active(config))
+        """The data dependencies read under ``config`` (placeholders not resolved); a :class:`Dep`
+        is decided on the validated params, so a key left to its default counts as its default."""
+        effective = effective_params(config) if any(isinstance(d, Dep) for d in self.deps) else config
+        return tuple(_path(d) for d in self.deps if not isinstance(d, Dep) or d.active(effective))
 
     @property
     def plot_outs(self) -> tuple[str, ...]:
@@ -292,15 +305,6 @@ def _d(stage: str, name: str) -> str:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage(
-        name="params_check",
-        args=(("--out", _d("params_check", "params.json")), ("--dvc-yaml", "dvc.yaml")),
-        # the whole params file is its params (any edit reruns it); it also reads dvc.yaml, which
-        # DVC refuses as a dependency: the rendering changes only with params.yaml or the registry
-        whole_params_file=True,
-        deps=("workflow/registry.py",),
-        outs=(_d("params_check", "params.json"),),
-    ),
     Stage(
         name="models",
         args=(("--out", "data/models"), ("--metrics", _d("models", "metrics.json"))),
@@ -506,6 +510,23 @@ STAGES += (
         metrics=("data/final_samples/${key}/metrics.json",),
         launch=("final_samples.${key}.resources",),
         subprocesses=("paco/judge/serve.py",),
+    ),
+)
+
+
+# params_check validates params.yaml and checks that dvc.yaml is the rendering for it: that
+# rendering holds every stage's code closure, so every project source file is its dependency
+_ALL_CODE = sorted(set().union(*(s.code for s in STAGES)) - set(code_closure("stages/params_check.py")))
+STAGES += (
+    Stage(
+        name="params_check",
+        args=(("--out", _d("params_check", "params.json")), ("--dvc-yaml", "dvc.yaml")),
+        # the whole params file is its params (any edit reruns it); it also reads dvc.yaml, which
+        # DVC refuses as a dependency: the rendering changes only with the params, the registry or
+        # the code
+        whole_params_file=True,
+        deps=("workflow/registry.py", *_ALL_CODE),
+        outs=(_d("params_check", "params.json"),),
     ),
 )
 

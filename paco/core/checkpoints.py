@@ -87,8 +87,8 @@ def find_resumable(checkpoints_dir: str | os.PathLike[str], prefix: str, identit
     an ``identity`` or lacks one of ``required_files`` is skipped with a warning naming it (the
     main process removes it). If the newest readable checkpoint's identity differs, the run
     changed: the main process logs which parts differ and removes every checkpoint (a fresh start,
-    never a wrong resume). Leftover ``.tmp-<prefix>*`` directories of an interrupted write are
-    removed too.
+    never a wrong resume). Leftover ``.tmp-<prefix>*`` / ``.<prefix>*.old-*`` directories of an
+    interrupted write or replacement are removed too.
     """
     d = Path(checkpoints_dir)
     skipped: list[str] = []
@@ -121,8 +121,8 @@ def find_resumable(checkpoints_dir: str | os.PathLike[str], prefix: str, identit
         drop = existing if result.path is None else [p for p in existing if p.name in {s.split(":")[0] for s in skipped}]
         for p in drop:
             shutil.rmtree(p, ignore_errors=True)
-        if d.is_dir():
-            for p in d.glob(f".tmp-{prefix}*"):
+        if d.is_dir():  # an interrupted write or replacement (replace_dir's two renames)
+            for p in [*d.glob(f".tmp-{prefix}*"), *d.glob(f".{prefix}*.old-*")]:
                 shutil.rmtree(p, ignore_errors=True)
     return Resume(result.path, result.state, result.reason, result.evaluation_changed, tuple(skipped))
 

@@ -567,6 +567,8 @@ def resume(run: GrpoRun) -> GrpoState:
                 break
             try:
                 _load_checkpoint(found.path, 0, run.ema is not None)
+                for r in range(1, run.world):  # every process's RNG state is readable too
+                    torch.load(found.path / f"rng-{r}.pt", weights_only=False)
                 break
             except Exception as exc:  # noqa: BLE001 - any failure to read it (SafetensorError, pickle, ...)
                 log.warning("checkpoint %s is unreadable (%s: %s): skipping it", found.path, type(exc).__name__, exc)
@@ -943,6 +945,13 @@ def train_grpo(
         reevaluate(run, state)
         if state.epoch >= cfg.epochs:
             save(run, state)
+    if state.epoch == cfg.epochs and not any(r["epoch"] == cfg.epochs for r in state.history["eval"]):
+        # a longer run's checkpoint at exactly the new (lowered) epochs: its final evaluation
+        # was never made there (a scheduled one runs at the start of the next epoch)
+        te = time.perf_counter()
+        state.history["eval"].append(evaluate_weights(run, state.epoch))
+        state.timings["eval"] += time.perf_counter() - te
+        save(run, state)
     schedule = set(evaluation_epochs(cfg.epochs, cfg.eval.every))
 
     for epoch in range(state.epoch, cfg.epochs):

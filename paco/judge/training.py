@@ -640,15 +640,43 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
     )
 
 
+def _check_readable(path: Path) -> None:
+    """Read every file ``accelerator.save_state`` wrote into a checkpoint (safetensors and
+    pickles; the sharded directories of FSDP / DeepSpeed are left to them).
+
+    Raises:
+        Exception: a file is truncated or corrupt.
+    """
+    from safetensors.torch import load_file
+
+    for f in sorted(path.iterdir()):
+        if f.suffix == ".safetensors":
+            load_file(str(f))
+        elif f.suffix in (".bin", ".pkl", ".pt"):
+            torch.load(f, weights_only=False, map_location="cpu")
+
+
 def resume(run: RewardRun) -> RewardState:
     """The newest readable checkpoint written under the same run identity (decided by the main
     process, :func:`paco.core.checkpoints.find_resumable`, and broadcast), loaded into the model,
     optimizer, scheduler and RNGs (``accelerator.load_state``), or a fresh state."""
     found = None
     if run.main:
-        found = ckpt.find_resumable(
-            run.checkpoints_dir, CHECKPOINT_PREFIX, run.identity, main=True, log=log,
-            required_files=[LORA_STATE_FILE, "optimizer.bin"] + [f"random_states_{r}.pkl" for r in range(run.world)])
+        required = ["custom_checkpoint_0.pkl"] + [f"random_states_{r}.pkl" for r in range(run.world)]
+        found = ckpt.find_resumable(run.checkpoints_dir, CHECKPOINT_PREFIX, run.identity, main=True, log=log,
+                                    required_files=required)
+        while found.path is not None:
+            try:
+                _check_readable(found.path)
+                break
+            except Exception as exc:  # noqa: BLE001 - any failure to read it (SafetensorError, pickle, ...)
+                log.warning("checkpoint %s is unreadable (%s: %s): skipping it", found.path, type(exc).__name__, exc)
+                shutil.rmtree(found.path, ignore_errors=True)
+                skipped = found.skipped_corrupt + (f"{found.path.name}: {exc}",)
+                found = ckpt.find_resumable(run.checkpoints_dir, CHECKPOINT_PREFIX, run.identity, main=True, log=log,
+                                            required_files=required)
+                found = ckpt.Resume(found.path, found.state, found.reason, found.evaluation_changed,
+                                    skipped + found.skipped_corrupt)
         if found.path is None:
             log.info("starting fresh: %s", found.reason)
     if run.world > 1:
