@@ -31,6 +31,20 @@ def _train(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir, ctx, **kw)
     return {**report, "metrics": out["metrics"], "resumed_from": report["run_identity"]["resumed_from"]}
 
 
+class _Stop(Exception):
+    pass
+
+
+def _stop_after(epoch: int):
+    """A callback interrupting training after ``epoch`` epochs (and their checkpoint)."""
+
+    def callback(info):
+        if info.epoch == epoch:
+            raise _Stop
+
+    return callback
+
+
 def _checkpoints(path) -> list:
     return list_checkpoints(path, CHECKPOINT_PREFIX)
 
@@ -196,18 +210,11 @@ def test_resume_equals_uninterrupted(tiny_model_dirs, tmp_path):
     cfg = _cfg(epochs=4, save_every=2)
     prompts = _prompts()
 
-    class Stop(Exception):
-        pass
-
-    def stop_after_2(info):
-        if info.epoch == 2:
-            raise Stop
-
     full = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
                       checkpoints_dir=tmp_path / "cka")
-    with pytest.raises(Stop):
+    with pytest.raises(_Stop):
         _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
-                   checkpoints_dir=tmp_path / "ckb", callback=stop_after_2)
+                   checkpoints_dir=tmp_path / "ckb", callback=_stop_after(2))
     assert [p.name for p in _checkpoints(tmp_path / "ckb")] == ["epoch-0002"]
     resumed = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
                          checkpoints_dir=tmp_path / "ckb")
@@ -312,16 +319,9 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tiny_model_d
     _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "a",
            checkpoints_dir=tmp_path / "cka")
 
-    class Stop(Exception):
-        pass
-
-    def stop_after_2(info):
-        if info.epoch == 2:
-            raise Stop
-
-    with pytest.raises(Stop):
+    with pytest.raises(_Stop):
         _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
-               checkpoints_dir=tmp_path / "ckb", callback=stop_after_2)
+               checkpoints_dir=tmp_path / "ckb", callback=_stop_after(2))
     assert [p.name for p in _checkpoints(tmp_path / "ckb")] == ["epoch-0001", "epoch-0002"]
     (tmp_path / "ckb" / "epoch-0002" / "trainer_state.json").write_text('{"epoch": 2, "hist')  # truncated
     resumed = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "b",
@@ -330,9 +330,9 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tiny_model_d
     assert resumed["run_identity"]["skipped_corrupt"][0].startswith("epoch-0002")
     assert _bytes(tmp_path / "a") == _bytes(tmp_path / "b")
     # a truncated weights file is skipped the same way
-    with pytest.raises(Stop):
+    with pytest.raises(_Stop):
         _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "c",
-               checkpoints_dir=tmp_path / "ckc", callback=stop_after_2)
+               checkpoints_dir=tmp_path / "ckc", callback=_stop_after(2))
     w = tmp_path / "ckc" / "epoch-0002" / "lora.safetensors"
     w.write_bytes(w.read_bytes()[:100])
     resumed = _train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(), lora_dir=tmp_path / "c",
@@ -409,16 +409,9 @@ def test_lowering_epochs_to_a_checkpoint_adds_its_final_evaluation(tiny_model_di
     never held that epoch's evaluation: it is made on resume, and the result equals a fresh run."""
     prompts = _prompts()
 
-    class Stop(Exception):
-        pass
-
-    def stop_after_2(info):
-        if info.epoch == 2:
-            raise Stop
-
-    with pytest.raises(Stop):
+    with pytest.raises(_Stop):
         _train(_cfg(epochs=4, save_every=1), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
-               lora_dir=tmp_path / "a", checkpoints_dir=tmp_path / "ck", plots_dir=tmp_path / "pa", callback=stop_after_2)
+               lora_dir=tmp_path / "a", checkpoints_dir=tmp_path / "ck", plots_dir=tmp_path / "pa", callback=_stop_after(2))
     short = _train(_cfg(epochs=2, save_every=1), prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
                    lora_dir=tmp_path / "a", checkpoints_dir=tmp_path / "ck", plots_dir=tmp_path / "pa")
     assert short["resumed_from"] == "epoch-0002" and short["epochs_this_run"] == 0

@@ -15,8 +15,8 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,12 @@ class Resume:
     reason: str
     evaluation_changed: tuple[str, ...] = ()
     skipped_corrupt: tuple[str, ...] = ()
+    #: what ``find_resumable``'s ``load`` returned for ``path`` (not compared; drop it with
+    #: :meth:`without_loaded` before sending the decision to other processes)
+    loaded: Any = field(default=None, compare=False, repr=False)
+
+    def without_loaded(self) -> Resume:
+        return replace(self, loaded=None)
 
     def to_report(self) -> dict[str, Any]:
         return {"resumed_from": self.path.name if self.path else None, "reason": self.reason,
@@ -80,12 +86,15 @@ class Resume:
 
 
 def find_resumable(checkpoints_dir: str | os.PathLike[str], prefix: str, identity: RunIdentity, *, main: bool,
-                   log: logging.Logger, required_files: Sequence[str] = ()) -> Resume:
+                   log: logging.Logger, required_files: Sequence[str] = (),
+                   load: Callable[[Path, dict[str, Any]], Any] | None = None) -> Resume:
     """The newest readable checkpoint if it was written under ``identity``, else a fresh start.
 
     Checkpoints are tried newest first; one whose ``trainer_state.json`` is not valid JSON, lacks
-    an ``identity`` or lacks one of ``required_files`` is skipped with a warning naming it (the
-    main process removes it). If the newest readable checkpoint's identity differs, the run
+    an ``identity`` or lacks one of ``required_files``, or for which ``load(path, state)`` (the
+    trainer reading its files) raises, is skipped with a warning naming it (the main process
+    removes it); ``load``'s result is :attr:`Resume.loaded`. If the newest readable checkpoint's
+    identity differs, the run
     changed: the main process logs which parts differ and removes every checkpoint (a fresh start,
     never a wrong resume). Leftover ``.tmp-<prefix>*`` / ``.<prefix>*.old-*`` directories of an
     interrupted write or replacement are removed too.
@@ -108,8 +117,16 @@ def find_resumable(checkpoints_dir: str | os.PathLike[str], prefix: str, identit
             skipped.append(f"{path.name}: {exc}")
             continue
         if state["identity"] == identity.digest:
+            try:
+                loaded = load(path, state) if load is not None else None
+            except Exception as exc:  # noqa: BLE001 - any failure to read it (SafetensorError, pickle, ...)
+                if main:
+                    log.warning("checkpoint %s is unreadable (%s: %s): skipping it", path, type(exc).__name__, exc)
+                skipped.append(f"{path.name}: {type(exc).__name__}: {exc}")
+                continue
             changed_eval = identity.changed_evaluation(state.get("evaluation_parts"))
-            result = Resume(path, state, f"same run identity {identity.digest[:12]}", tuple(changed_eval))
+            result = Resume(path, state, f"same run identity {identity.digest[:12]}", tuple(changed_eval),
+                            loaded=loaded)
         else:
             why = identity.changed(state.get("identity_parts"))
             result = Resume(None, None, f"run identity changed since {path.name}: {RunIdentity.describe_change(why)}")
@@ -124,7 +141,7 @@ def find_resumable(checkpoints_dir: str | os.PathLike[str], prefix: str, identit
         if d.is_dir():  # an interrupted write or replacement (replace_dir's two renames)
             for p in [*d.glob(f".tmp-{prefix}*"), *d.glob(f".{prefix}*.old-*")]:
                 shutil.rmtree(p, ignore_errors=True)
-    return Resume(result.path, result.state, result.reason, result.evaluation_changed, tuple(skipped))
+    return replace(result, skipped_corrupt=tuple(skipped))
 
 
 def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str],

@@ -556,28 +556,18 @@ def resume(run: GrpoRun) -> GrpoState:
     files = ["lora.safetensors", "optimizer.pt"] + [f"rng-{r}.pt" for r in range(run.world)]
     found = None
     if run.main:
-        found = ckpt.find_resumable(ckdir, CHECKPOINT_PREFIX, run.identity, main=True, log=log, required_files=files)
-        while found.path is not None:
-            state = found.state
-            if int(state["epoch"]) > cfg.epochs:
-                log.warning("checkpoint %s is after epoch %d > epochs %d: starting fresh", found.path,
-                            int(state["epoch"]), cfg.epochs)
-                found = ckpt.Resume(None, None, f"{found.path.name} is past epochs {cfg.epochs}",
-                                    skipped_corrupt=found.skipped_corrupt)
-                break
-            try:
-                _load_checkpoint(found.path, 0, run.ema is not None)
-                for r in range(1, run.world):  # every process's RNG state is readable too
-                    torch.load(found.path / f"rng-{r}.pt", weights_only=False)
-                break
-            except Exception as exc:  # noqa: BLE001 - any failure to read it (SafetensorError, pickle, ...)
-                log.warning("checkpoint %s is unreadable (%s: %s): skipping it", found.path, type(exc).__name__, exc)
-                shutil.rmtree(found.path, ignore_errors=True)
-                skipped = found.skipped_corrupt + (f"{found.path.name}: {exc}",)
-                found = ckpt.find_resumable(ckdir, CHECKPOINT_PREFIX, run.identity, main=True, log=log,
-                                            required_files=files)
-                found = ckpt.Resume(found.path, found.state, found.reason, found.evaluation_changed,
-                                    skipped + found.skipped_corrupt)
+        def load(path: Path, saved: dict[str, Any]) -> dict[str, Any]:
+            for r in range(1, run.world):  # every process's RNG state is readable too
+                torch.load(path / f"rng-{r}.pt", weights_only=False)
+            return _load_checkpoint(path, 0, run.ema is not None)
+
+        found = ckpt.find_resumable(ckdir, CHECKPOINT_PREFIX, run.identity, main=True, log=log, required_files=files,
+                                    load=load)
+        if found.path is not None and int(found.state["epoch"]) > cfg.epochs:
+            log.warning("checkpoint %s is after epoch %d > epochs %d: starting fresh", found.path,
+                        int(found.state["epoch"]), cfg.epochs)
+            found = ckpt.Resume(None, None, f"{found.path.name} is past epochs {cfg.epochs}",
+                                skipped_corrupt=found.skipped_corrupt)
         if found.path is not None and found.evaluation_changed:
             # re-evaluation needs the kept weights of every evaluation in the history
             missing = [r["epoch"] for r in found.state["history"]["eval"]
@@ -591,13 +581,15 @@ def resume(run: GrpoRun) -> GrpoState:
             for p in ckpt.list_checkpoints(ckdir, CHECKPOINT_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)
             shutil.rmtree(ckdir / EVAL_WEIGHTS_DIR, ignore_errors=True)
-    found = _broadcast(run.accelerator, found)
+    loaded = found.loaded if found is not None else None  # the main process read it already
+    found = _broadcast(run.accelerator, found.without_loaded() if found is not None else None)
     state = GrpoState(resume=found)
     if found.path is None:
         if run.main:
             log.info("starting fresh: %s", found.reason)
         return state
-    loaded = _load_checkpoint(found.path, run.rank, run.ema is not None)
+    if loaded is None:
+        loaded = _load_checkpoint(found.path, run.rank, run.ema is not None)
     with torch.no_grad():
         for tag, adapter in (("trained", TRAINED_ADAPTER), ("old", OLD_ADAPTER)):
             for n, p in run.policy.adapter_parameters(adapter).items():

@@ -664,19 +664,7 @@ def resume(run: RewardRun) -> RewardState:
     if run.main:
         required = ["custom_checkpoint_0.pkl"] + [f"random_states_{r}.pkl" for r in range(run.world)]
         found = ckpt.find_resumable(run.checkpoints_dir, CHECKPOINT_PREFIX, run.identity, main=True, log=log,
-                                    required_files=required)
-        while found.path is not None:
-            try:
-                _check_readable(found.path)
-                break
-            except Exception as exc:  # noqa: BLE001 - any failure to read it (SafetensorError, pickle, ...)
-                log.warning("checkpoint %s is unreadable (%s: %s): skipping it", found.path, type(exc).__name__, exc)
-                shutil.rmtree(found.path, ignore_errors=True)
-                skipped = found.skipped_corrupt + (f"{found.path.name}: {exc}",)
-                found = ckpt.find_resumable(run.checkpoints_dir, CHECKPOINT_PREFIX, run.identity, main=True, log=log,
-                                            required_files=required)
-                found = ckpt.Resume(found.path, found.state, found.reason, found.evaluation_changed,
-                                    skipped + found.skipped_corrupt)
+                                    required_files=required, load=lambda path, saved: _check_readable(path))
         if found.path is None:
             log.info("starting fresh: %s", found.reason)
     if run.world > 1:
