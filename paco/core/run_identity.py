@@ -243,11 +243,7 @@ def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: st
 def stage_identity_on_main(member: str, args: Any, params: Any, accelerator: Any) -> RunIdentity:
     """:func:`stage_identity` computed by the main process only (hashing model directories once,
     not once per process) and broadcast to the others (``accelerate``)."""
-    identity = stage_identity(member, args.params, params=params, args=args) if accelerator.is_main_process else None
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
+    from paco.core.stage import broadcast_from_main
 
-        box = [identity]
-        broadcast_object_list(box, from_process=0)
-        identity = box[0]
-    return identity
+    identity = stage_identity(member, args.params, params=params, args=args) if accelerator.is_main_process else None
+    return broadcast_from_main(accelerator, identity)

@@ -67,6 +67,18 @@ def cpu_threads_per_process(local_processes: int) -> int:
     return max(1, cores // max(1, local_processes))
 
 
+def broadcast_from_main(accelerator: Any, obj: Any) -> Any:
+    """``obj`` of the main process, on every process (``accelerate``'s ``broadcast_object_list``;
+    with no accelerator or one process, ``obj`` itself)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    box = [obj]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process and its waited-for children, in MiB (Linux)."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

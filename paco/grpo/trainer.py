@@ -75,6 +75,7 @@ import torch
 from paco.core import checkpoints as ckpt
 from paco.grpo.advantages import aggregate, weighted_sum
 from paco.core.seeding import stable_seed
+from paco.core.stage import broadcast_from_main
 from paco.core.io import write_json
 from paco.core.params import GrpoSubtaskParams, ParamsError
 from paco.grpo.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, PromptEmbeds, grid_size
@@ -272,17 +273,6 @@ def _gather(accelerator: Any, obj: list) -> list:
     from accelerate.utils import gather_object
 
     return gather_object(obj)
-
-
-def _broadcast(accelerator: Any, obj: Any) -> Any:
-    """``obj`` of the main process, on every process."""
-    if accelerator is None or accelerator.num_processes == 1:
-        return obj
-    from accelerate.utils import broadcast_object_list
-
-    box = [obj]
-    broadcast_object_list(box, from_process=0)
-    return box[0]
 
 
 def _barrier(accelerator: Any) -> None:
@@ -582,7 +572,7 @@ def resume(run: GrpoRun) -> GrpoState:
                 shutil.rmtree(p, ignore_errors=True)
             shutil.rmtree(ckdir / EVAL_WEIGHTS_DIR, ignore_errors=True)
     loaded = found.loaded if found is not None else None  # the main process read it already
-    found = _broadcast(run.accelerator, found.without_loaded() if found is not None else None)
+    found = broadcast_from_main(run.accelerator, found.without_loaded() if found is not None else None)
     state = GrpoState(resume=found)
     if found.path is None:
         if run.main:

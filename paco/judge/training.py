@@ -114,7 +114,7 @@ from paco.judge.model import AnswerTokens, check_answer_tokens, encode_sft, p_ye
 from paco.judge.losses import IGNORE_INDEX, answer_positions, first_token_weighted_loss
 from paco.core.params import LoraParams, PairAugmentParams, RewardTrainParams
 from paco.core.run_identity import RunIdentity
-from paco.core.stage import cpu_threads_per_process
+from paco.core.stage import broadcast_from_main, cpu_threads_per_process
 
 log = logging.getLogger("paco.judge.training")
 
@@ -667,12 +667,7 @@ def resume(run: RewardRun) -> RewardState:
                                     required_files=required, load=lambda path, saved: _check_readable(path))
         if found.path is None:
             log.info("starting fresh: %s", found.reason)
-    if run.world > 1:
-        from accelerate.utils import broadcast_object_list
-
-        box = [found]
-        broadcast_object_list(box, from_process=0)
-        found = box[0]
+    found = broadcast_from_main(run.accelerator, found)
     state = RewardState(resume=found)
     if found.path is not None:
         run.accelerator.load_state(str(found.path))
