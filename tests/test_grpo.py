@@ -420,3 +420,43 @@ def test_lowering_epochs_to_a_checkpoint_adds_its_final_evaluation(tiny_model_di
     assert list(pd.read_csv(tmp_path / "pa" / "eval.csv")["epoch"]) == [0, 2]
     assert (tmp_path / "pa" / "eval.csv").read_bytes() == (tmp_path / "pf" / "eval.csv").read_bytes()
     assert _bytes(tmp_path / "a") == _bytes(tmp_path / "f") and short["metrics"] == fresh["metrics"]
+
+
+def test_overlapped_rewards_equal_scoring_after_sampling(tiny_model_dirs, tmp_path):
+    """Scoring each group's judge rewards while the next group is sampled gives the same
+    rewards, advantages and LoRA bytes as scoring the epoch after sampling (the judge served by
+    its own process, as the stage runs it, with the batch-invariant batching), and the served
+    reward really ran on the worker thread."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from paco.judge.client import JudgeClient, LocalJudgeServer
+
+    vocab = 100_000
+    threads: set[str] = set()
+
+    class Recording(JudgeClient):
+        def score(self, triples):
+            threads.add(threading.current_thread().name)
+            return super().score(triples)
+
+    runs = {}
+    with LocalJudgeServer(tiny_model_dirs["judge_base"], "judge", max_logprobs=vocab, max_wait_ms=5) as url:
+        for overlap in (False, True):
+            threads.clear()
+            ctx = R.RewardContext(judge=Recording(url, "judge", retries=0, top_logprobs=vocab), instruction="rank")
+            cfg = _cfg(epochs=2, rewards={"consistency": 1.0, "test_red_minus_blue": 1.0},
+                       rollout=dict(overlap_rewards=overlap))
+            runs[overlap] = _train(cfg, _prompts(), tiny_model_dirs["policy_t2is"], ctx,
+                                   lora_dir=tmp_path / f"lora{overlap}", checkpoints_dir=tmp_path / f"ck{overlap}",
+                                   plots_dir=tmp_path / f"plots{overlap}")
+            assert any(t.startswith("served-rewards") for t in threads) == overlap, threads
+    off, on = runs[False], runs[True]
+    # every epoch's rewards, advantages, ratios and losses, and the evaluations
+    for name in ("train.csv", "eval.csv"):
+        assert (tmp_path / "plotsFalse" / name).read_bytes() == (tmp_path / "plotsTrue" / name).read_bytes()
+    assert off["metrics"] == on["metrics"] and off["train_final"] == on["train_final"]
+    a, b = (load_file(str(tmp_path / f"lora{o}" / "pytorch_lora_weights.safetensors")) for o in (False, True))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert 0.0 < on["train_final"]["consistency_mean"] < 1.0

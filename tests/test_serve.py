@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from paco.judge.model import Judge, JudgeContextError
 from paco.judge.client import JudgeClient, JudgeContextLengthError, JudgeError, LocalJudgeServer, yes_probability
-from paco.judge.serve import BatchingJudge, make_server
+from paco.judge.serve import BatchingJudge, JudgeServer, ServerLimits
 from paco.judge.templates import build_openai_messages, judge_instruction, png_bytes
 
 NAME = "paco-reward-test"
@@ -36,14 +39,8 @@ def judge(tiny_model_dirs) -> Judge:
 def server(judge):
     # the untrained tiny judge need not rank Yes/No among its top 20 first tokens: serve the whole
     # vocabulary (vLLM's --max-logprobs does the same)
-    srv = make_server(judge, NAME, "127.0.0.1", 0, max_batch_size=8, max_wait_ms=200, max_logprobs=VOCAB)
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    host, port = srv.server_address[:2]
-    yield srv, f"http://{host}:{port}/v1"
-    srv.shutdown()
-    srv.batcher.close()
-    srv.server_close()
+    with JudgeServer(judge, NAME, max_batch_size=8, max_wait_ms=200, max_logprobs=VOCAB) as srv:
+        yield srv, srv.url
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -132,6 +129,23 @@ def test_logprobs_do_not_depend_on_the_batch(judge, batching):
             assert sizes == [1] * len(triples)
 
 
+def test_requests_with_different_image_grids_are_scored_alone(judge):
+    """GRPO's panels of one grid cut at separator bands differ by a pixel (32x32 and 31x32 px,
+    vision grids 4x4 and 6x4 patches). Batched, such a request's log-probs changed by ~1e-7
+    (the vision tower), which made GRPO runs differ run to run; they are scored alone, so
+    they equal the request alone bit for bit however they arrive."""
+    square, tall = _images(8, seed=11, size=(32, 32)), _images(8, seed=12, size=(31, 32))
+    text = judge_instruction(None)
+    triples = [(square[i], tall[i], text) for i in range(8)]
+    grids = judge.encode([triples[0]])["image_grid_thw"].tolist()
+    assert grids[0] != grids[1]
+    n_vocab = len(judge.processor.tokenizer)
+    alone = [_batch_rows(judge, [t], "auto", n_vocab)[0][0] for t in triples]
+    together, sizes = _batch_rows(judge, triples + [(square[0], square[1], text)] * 2, "auto", n_vocab)
+    assert together[:8] == alone
+    assert sorted(sizes) == [1] * 8 + [2]  # the uniform-grid requests still share a pass
+
+
 def test_too_long_prompt_is_a_named_error_everywhere(server, judge):
     """A prompt that does not fit the judge's context (max_position_embeddings 4096) is refused
     with the token count and the limit: a 400 from the server (vLLM's wording), a
@@ -149,7 +163,7 @@ def test_too_long_prompt_is_a_named_error_everywhere(server, judge):
             "max_tokens": 1, "logprobs": True, "top_logprobs": 5}
     status, obj = _post(f"{url}/chat/completions", body)
     assert status == 400
-    assert obj["message"].startswith(f"This model's maximum context length is {limit} tokens. However, you "
+    assert obj["error"]["message"].startswith(f"This model's maximum context length is {limit} tokens. However, you "
                                      f"requested {n + 1} tokens ({n} in the messages, 1 in the completion).")
     assert srv.batcher.forward_passes == 0 and srv.batcher.refused == 1
     with pytest.raises(JudgeContextLengthError, match=f"{n} tokens.*context is {limit} positions") as err:
@@ -225,24 +239,25 @@ def test_protocol_endpoints_and_errors(server):
     bad = json.loads(json.dumps(body))
     bad["messages"][0]["content"][0]["image_url"]["url"] = "data:image/png;base64,iVBORw0KGgoAAAA"
     status, obj = _post(f"{url}/chat/completions", bad)
-    assert status == 400 and "image 1" in obj["message"]
+    assert status == 400 and "image 1" in obj["error"]["message"]
     one_image = json.loads(json.dumps(body))
     del one_image["messages"][0]["content"][1]
     assert _post(f"{url}/chat/completions", one_image)[0] == 400
-    # a client error is not retried and names the URL and status
-    with pytest.raises(JudgeError, match=r"chat/completions failed \(HTTP status 404\)"):
+    # a client error is not retried and names the URL, the served model name and the status
+    with pytest.raises(JudgeError, match=r"chat/completions at .* \(served model 'nope'\) failed \(HTTP status 404, "
+                       r"not retried\): The model `nope` does not exist"):
         JudgeClient(url, "nope", retries=3).score([(a, b, "same?")])
 
 
 
 def test_unreachable_judge_fails_after_bounded_retries(dead_url):
     url = dead_url
-    client = JudgeClient(url, NAME, retries=2, backoff_s=0.01, timeout_s=2)
+    client = JudgeClient(url, NAME, retries=2, timeout_s=2)
     a, b = _images(2)
     with pytest.raises(JudgeError) as err:
         client.score([(a, b, "same?")])
     msg = str(err.value)
-    assert url in msg and "no HTTP response" in msg and "3 attempt(s)" in msg
+    assert url in msg and NAME in msg and "no HTTP response" in msg and "3 attempt(s)" in msg
 
 
 def test_local_server_process_lifecycle(tiny_model_dirs, tmp_path):
@@ -269,17 +284,8 @@ def test_one_bad_input_fails_only_its_own_request(judge, batching):
     """The request the processor refuses (aspect ratio > 200) gets a non-retryable 400, the
     others their scores: refused at its own encoding (auto), or by rescoring the failed padded
     batch one request at a time (dynamic)."""
-    srv = make_server(judge, NAME, "127.0.0.1", 0, max_batch_size=8, max_wait_ms=200, max_logprobs=VOCAB,
-                      batching=batching)
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    url = "http://%s:%d/v1" % srv.server_address[:2]
-    try:
-        _check_one_bad_input(srv, url, judge, batching)
-    finally:
-        srv.shutdown()
-        srv.batcher.close()
-        srv.server_close()
+    with JudgeServer(judge, NAME, max_batch_size=8, max_wait_ms=200, max_logprobs=VOCAB, batching=batching) as srv:
+        _check_one_bad_input(srv, srv.url, judge, batching)
 
 
 def _check_one_bad_input(srv, url, judge, batching):
@@ -299,7 +305,7 @@ def _check_one_bad_input(srv, url, judge, batching):
         t.join()
     statuses = [r[0] for r in results]
     assert statuses == [200, 400, 200, 200], results[1]
-    assert "aspect ratio" in results[1][1]["message"]
+    assert "aspect ratio" in results[1][1]["error"]["message"]
     assert srv.batcher.refused == 1
     if batching == "dynamic":
         assert srv.batcher.isolated_batches >= 1, "no failing batch was isolated (the requests were not batched)"
@@ -333,3 +339,241 @@ def test_cancelled_requests_are_not_computed(judge):
         assert calls == [1]
     finally:
         batcher.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the server as hostile or careless clients meet it
+# ---------------------------------------------------------------------------------------------
+
+
+def _raw(port: int, data: bytes, timeout: float = 30.0) -> bytes:
+    """Send raw bytes on a new connection; return everything the server answers until it closes
+    the connection or a complete response with its body has arrived."""
+    import socket as _socket
+
+    with _socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except _socket.timeout:
+                break
+            if not chunk:
+                break
+            out += chunk
+            head, sep, body = out.partition(b"\r\n\r\n")
+            if sep:
+                length = [int(v) for k, v in (ln.split(b":", 1) for ln in head.split(b"\r\n")[1:] if b":" in ln)
+                          if k.strip().lower() == b"content-length"]
+                if length and len(body) >= length[0]:
+                    break
+        return out
+
+
+def _request_body(a, b, text="same?", top=5) -> dict:
+    return {"model": NAME, "messages": build_openai_messages(png_bytes(a), png_bytes(b), text),
+            "max_tokens": 1, "logprobs": True, "top_logprobs": top}
+
+
+def test_official_client_and_raw_http_give_the_same_score(server, judge):
+    """The served score through the official openai client (JudgeClient) equals the one read
+    from a raw HTTP/1.1 request, and the in-process judge's within float tolerance."""
+    srv, url = server
+    a, b = _images(2, seed=5)
+    text = judge_instruction("two cats")
+    body = json.dumps(_request_body(a, b, text, VOCAB)).encode()
+    reply = _raw(srv.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    assert reply.startswith(b"HTTP/1.1 200")
+    top = json.loads(reply.partition(b"\r\n\r\n")[2])["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    official = JudgeClient(url, NAME, retries=0, top_logprobs=VOCAB).score([(a, b, text)])[0]
+    assert yes_probability(top) == official
+    assert official == pytest.approx(judge.score([(a, b, text)])[0], abs=1e-5)
+
+
+def test_image_feature_cache_is_bit_identical_and_hit(judge):
+    """Per-image cached features concatenated = the processor's own batch of both images, bit
+    for bit; a repeated image is preprocessed once."""
+    from paco.judge.serve import IMAGE_KEY, RequestPreparer
+
+    prep = RequestPreparer(judge, NAME, ServerLimits(), 5)
+    a, b, c = _images(3, seed=7, size=(90, 130))
+    triples = [(a, b, "same?"), (a, c, "same?"), (c, b, "same?")]
+    for triple in triples:
+        body = json.dumps(_request_body(*triple[:2])).encode()
+        got, top_k, inputs = prep(body)
+        assert top_k == 5 and got[0].info[IMAGE_KEY] and got[1].info[IMAGE_KEY]
+        want = judge.encode([triple])
+        assert set(inputs) == set(want)
+        for name in want:
+            assert torch.equal(inputs[name], want[name]), name
+    assert prep.image_features.misses == 3 and prep.image_features.hits == 3
+
+
+def test_many_concurrent_connections_are_all_answered(server):
+    """200 connections at once (the old server's listen backlog of 5 reset about half)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv, _ = server
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with ThreadPoolExecutor(max_workers=200) as pool:
+        replies = list(pool.map(lambda _: _raw(srv.port, request), range(200)))
+    assert sum(r.startswith(b"HTTP/1.1 200") for r in replies) == 200
+
+
+def test_body_limits_are_answered_before_reading(judge):
+    """An oversized declared body is refused at once (the old server blocked its thread
+    forever on a 10 GB Content-Length); a malformed one gets the HTTP parser's 400; a body that
+    stops arriving is a 408 after the read timeout; the server keeps serving."""
+    limits = ServerLimits(max_body_bytes=1 << 20, read_timeout_s=1.0)
+    with JudgeServer(judge, NAME, limits=limits) as srv:
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        t0 = time.perf_counter()
+        reply = _raw(srv.port, head + b"Content-Length: 10737418240\r\n\r\n{")
+        assert reply.startswith(b"HTTP/1.1 400") and b"exceeds the limit of 1048576 bytes" in reply
+        assert time.perf_counter() - t0 < 5
+        assert _raw(srv.port, head + b"Content-Length: -5\r\n\r\n{}").startswith(b"HTTP/1.1 400")
+        t0 = time.perf_counter()
+        reply = _raw(srv.port, head + b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        assert reply.startswith(b"HTTP/1.1 408") and b"not received within 1 s" in reply
+        assert time.perf_counter() - t0 < 10
+        # chunked, no Content-Length: counted as it arrives
+        chunk = b"x" * 600_000
+        body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(2)) + b"0\r\n\r\n"
+        reply = _raw(srv.port, head + b"Transfer-Encoding: chunked\r\n\r\n" + body)
+        assert reply.startswith(b"HTTP/1.1 400") and b"exceeds the limit" in reply
+        a, b = _images(2)
+        assert _post(f"{srv.url}/chat/completions", _request_body(a, b))[0] == 200
+
+
+def _bomb_png(width: int, height: int) -> bytes:
+    """A small PNG whose header claims ``width x height`` pixels (a decompression bomb's header)."""
+    import io
+    import struct
+    import zlib
+
+    buf = io.BytesIO()
+    Image.new("L", (8, 8)).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4: ihdr + 12] = struct.pack(">II", width, height)
+    crc = zlib.crc32(bytes(data[ihdr: ihdr + 17])) & 0xFFFFFFFF
+    data[ihdr + 17: ihdr + 21] = struct.pack(">I", crc)
+    return bytes(data)
+
+
+def test_decompression_bomb_and_huge_text_are_refused_before_any_compute(judge):
+    limits = ServerLimits(max_image_pixels=1 << 20)
+    with JudgeServer(judge, NAME, limits=limits) as srv:
+        a, b = _images(2)
+        body = _request_body(a, b)
+        bomb = json.loads(json.dumps(body))
+        bomb["messages"][0]["content"][1]["image_url"]["url"] = (
+            "data:image/png;base64," + base64.b64encode(_bomb_png(50_000, 50_000)).decode())
+        status, obj = _post(f"{srv.url}/chat/completions", bomb)
+        assert status == 400 and "image 2" in obj["error"]["message"] and "pixels" in obj["error"]["message"]
+        # 1 MB of instruction for a 4,096-position judge: refused at once, the worker never sees it
+        t0 = time.perf_counter()
+        status, obj = _post(f"{srv.url}/chat/completions", _request_body(a, b, "same? " * 170_000))
+        assert status == 400 and obj["error"]["message"].startswith("This model's maximum context length is 4096")
+        assert time.perf_counter() - t0 < 5
+        assert srv.batcher.forward_passes == 0 and srv.batcher.requests == 0
+        status, health = _get(srv.url.removesuffix("/v1") + "/health")
+        assert status == 200 and health["status"] == "ok"
+        assert _post(f"{srv.url}/chat/completions", body)[0] == 200
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class _Gated:
+    """The judge, whose forward passes wait for ``gate`` (a model stuck on a request)."""
+
+    def __init__(self, judge):
+        self.judge = judge
+        self.processor = judge.processor
+        self.device = judge.device
+        self.max_model_len = judge.max_model_len
+        self.encode = judge.encode
+        self.gate = threading.Event()
+
+    def logits(self, inputs):
+        assert self.gate.wait(60)
+        return self.judge.logits(inputs)
+
+
+def test_overload_and_a_stalled_worker_are_reported(judge):
+    """In-flight work is bounded (503 above it, and the official client names the URL, the
+    served model and the status after its retries), and /health reports a forward pass that
+    runs too long as 'stalled' (503) instead of 'ok'."""
+    gated = _Gated(judge)
+    limits = ServerLimits(max_in_flight=2, stall_s=0.3)
+    with JudgeServer(gated, NAME, limits=limits, max_wait_ms=0) as srv:
+        a, b = _images(2)
+        results: list = []
+        waiting = [threading.Thread(target=lambda: results.append(_post(f"{srv.url}/chat/completions",
+                                                                        _request_body(a, b)))) for _ in range(2)]
+        for t in waiting:
+            t.start()
+        deadline = time.monotonic() + 30
+        while srv.batcher.busy_since is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)
+        status, health = _get(srv.url.removesuffix("/v1") + "/health")
+        assert status == 503 and health["status"] == "stalled" and health["busy_s"] > 0.3
+        status, obj = _post(f"{srv.url}/chat/completions", _request_body(a, b))
+        assert status == 503 and "overloaded" in obj["error"]["message"]
+        with pytest.raises(JudgeError) as err:
+            JudgeClient(srv.url, NAME, retries=1, timeout_s=5).score([(a, b, "same?")])
+        msg = str(err.value)
+        assert srv.url in msg and NAME in msg and "HTTP status 503" in msg and "2 attempt(s)" in msg
+        gated.gate.set()
+        for t in waiting:
+            t.join(60)
+        assert [r[0] for r in results] == [200, 200]
+        status, health = _get(srv.url.removesuffix("/v1") + "/health")
+        assert status == 200 and health["status"] == "ok" and health["rejected"] >= 3
+
+
+def test_local_server_exits_when_its_parent_is_killed(tiny_model_dirs, tmp_path):
+    """A trainer killed with SIGKILL leaves no judge server behind (--parent-pid)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from paco.judge.client import LocalJudgeServer\n"
+        f"srv = LocalJudgeServer({str(tiny_model_dirs['judge_base'])!r}, 'x', threads=1)\n"
+        "srv.__enter__()\n"
+        "print(srv.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+        os.kill(server_pid, 0)  # running
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{server_pid}/stat") as fh:
+                    if fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        break  # exited; a zombie only waits for init to reap it
+            except FileNotFoundError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(server_pid, signal.SIGKILL)
+            pytest.fail("the judge server outlived its killed parent by 30 s")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

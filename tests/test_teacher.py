@@ -233,7 +233,7 @@ class _FakeServer:
                 with outer.lock:
                     n = len(outer.requests)
                     outer.requests.append(body)
-                    outer.headers.append(dict(self.headers))
+                    outer.headers.append({k.lower(): v for k, v in self.headers.items()})
                 if self.path != "/v1/chat/completions":
                     status, reply, delay = 404, {"error": "not found"}, 0
                 else:
@@ -287,7 +287,7 @@ def _wrong(body, n):
 
 
 def _teacher(url: str, **kw) -> OpenAITeacher:
-    opts = dict(base_url=url, model="teacher-model", timeout_s=2.0, backoff_s=0.01, backoff_max_s=0.05, retries=2)
+    opts = dict(base_url=url, model="teacher-model", timeout_s=2.0, retries=2)
     opts.update(kw)
     return OpenAITeacher(**opts)
 
@@ -314,7 +314,7 @@ def test_openai_correct_answer_passes(monkeypatch):
     png = base64.b64decode(content[0]["image_url"]["url"].removeprefix("data:image/png;base64,"))
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(png)).convert("RGB")), np.asarray(items[0].image_a))
     assert content[2]["text"].startswith(judge_instruction("a red fox"))
-    assert all(h.get("Authorization") == "Bearer sk-fake" for h in srv.headers)
+    assert all(h.get("authorization") == "Bearer sk-fake" for h in srv.headers)
 
 
 def test_openai_wrong_answer_is_retried_then_failed():
@@ -339,19 +339,21 @@ def test_openai_unparsable_then_correct():
 
 
 def test_openai_5xx_is_retried():
+    """Transport failures are retried by the official client (one ask, two HTTP requests)."""
     def script(body, n):
         return (503, {"error": "overloaded"}, 0) if n == 0 else _correct(body, n)
 
     with _FakeServer(script) as srv:
         res = _teacher(srv.base_url).explain([PairItem("s", _noise(0), _noise(1), False)])[0]
-    assert res.ok and res.attempts == 2 and res.response.startswith("No. <reason>")
+    assert res.ok and res.attempts == 1 and len(srv.requests) == 2 and res.response.startswith("No. <reason>")
 
 
 def test_openai_5xx_forever_fails_with_status_and_url():
-    with _FakeServer(lambda b, n: (500, {"error": "boom"}, 0)) as srv:
+    with _FakeServer(lambda b, n: (500, {"error": {"message": "boom"}}, 0)) as srv:
         res = _teacher(srv.base_url, retries=1).explain([PairItem("s", _noise(0), _noise(1), True)])[0]
-    assert not res.ok and res.attempts == 2 and len(srv.requests) == 2
-    assert "HTTP 500" in res.error and f"{srv.base_url}/chat/completions" in res.error
+    assert not res.ok and res.attempts == 1 and len(srv.requests) == 2
+    assert "HTTP 500" in res.error and "boom" in res.error and f"{srv.base_url}/chat/completions" in res.error
+    assert "teacher-model" in res.error and "1 retries" in res.error
 
 
 def test_openai_4xx_is_not_retried():
@@ -366,10 +368,10 @@ def test_openai_timeout_is_bounded():
         t0 = time.perf_counter()
         res = _teacher(srv.base_url, timeout_s=0.2, retries=1).explain([PairItem("t", _noise(0), _noise(1), True)])[0]
         elapsed = time.perf_counter() - t0
-    assert not res.ok and res.attempts == 2
+    assert not res.ok and len(srv.requests) == 2
     assert "timed out" in res.error or "timeout" in res.error
     assert srv.base_url in res.error
-    assert elapsed < 3.0
+    assert elapsed < 4.0
 
 
 def test_openai_unreachable_fails_fast_with_url():
@@ -384,8 +386,8 @@ def test_openai_unreachable_fails_fast_with_url():
     elapsed = time.perf_counter() - t0
     assert elapsed < 5.0
     for item, r in zip(items, res):
-        assert r.pair_id == item.pair_id and not r.ok and r.attempts == 3
-        assert f"{url}/chat/completions" in r.error and "3 attempt" in r.error
+        assert r.pair_id == item.pair_id and not r.ok
+        assert f"{url}/chat/completions" in r.error and "cannot reach" in r.error and "2 retries" in r.error
 
 
 def test_openai_malformed_body_is_retried_then_failed():

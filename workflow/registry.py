@@ -480,7 +480,7 @@ STAGES += (
         # eval.every stays in the identity: it decides which weights are kept for re-evaluation
         evaluation=tuple(f"grpo.${{key}}.eval.{k}" for k in ("resolution", "num_steps", "split", "max_prompts",
                                                               "batch_size")),
-        launch=("grpo.${key}.resources",),
+        launch=("grpo.${key}.resources", "grpo.${key}.rollout.overlap_rewards"),
         subprocesses=("paco/judge/serve.py",),
         stage_plots=(
             {"data/grpo/${key}/plots/train.csv": {"x": "epoch", "y": "reward"}},

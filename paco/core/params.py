@@ -246,10 +246,9 @@ class TeacherParams(_Section):
     backend: Literal["template", "openai", "local"] = "template"
     fast: bool = Field(False, description="bare Yes./No. targets (PaCo-Reward-7B-Fast)")
     max_reasons: int = Field(3, ge=1, le=9)
-    retries: int = Field(2, ge=0)
+    retries: int = Field(2, ge=0, description="re-asks after a wrong or unparsable answer; for openai also the "
+                         "client's max_retries of transport errors (its own backoff)")
     timeout_s: float = Field(60.0, gt=0)
-    backoff_s: float = Field(1.0, ge=0)
-    backoff_max_s: float = Field(30.0, ge=0)
     template: TemplateTeacherParams = Field(default_factory=TemplateTeacherParams)
     openai: OpenAITeacherParams = Field(default_factory=OpenAITeacherParams)
     local: LocalTeacherParams = Field(default_factory=LocalTeacherParams)
@@ -383,9 +382,8 @@ class JudgeEndpointParams(_Section):
                                   "strip().lower() text is yes / no (paco.judge.client.yes_probability)")
     concurrency: int = Field(16, ge=1, description="requests in flight")
     timeout_s: float = Field(60.0, gt=0)
-    retries: int = Field(3, ge=0)
-    backoff_s: float = Field(0.5, ge=0)
-    backoff_max_s: float = Field(8.0, ge=0)
+    retries: int = Field(3, ge=0, description="the openai client's max_retries (its own backoff: 0.5 s "
+                         "doubling to 8 s, with jitter, or the server's Retry-After)")
     top_logprobs: int = Field(20, ge=1, description="first tokens asked for; at most the server's --max-logprobs "
                               "(vLLM and paco.judge.serve default 20)")
     server: JudgeServerParams = Field(default_factory=JudgeServerParams)
@@ -440,6 +438,9 @@ class RolloutParams(_Section):
                                      "(the reference's same_latent; default off as in the paper)")
     batch_size: int = Field(8, ge=1, description="trajectories per forward pass")
     max_sequence_length: int = Field(512, ge=8, le=512)
+    overlap_rewards: bool = Field(True, description="score the served rewards (the judge) of each prompt's group "
+                                  "on a worker thread while the next group is sampled; the results are the same "
+                                  "either way (launch-only: not part of the run identity)")
 
     @model_validator(mode="after")
     def _indices(self) -> RolloutParams:

@@ -79,7 +79,7 @@ def make_reward_context(params: Params, url: str, clip_dir: Path):
         if not api_key:
             raise ParamsError(f"judge.api_key_env names {cfg.api_key_env!r}, which is not set")
     client = JudgeClient(url, cfg.served_model_name, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
-                         retries=cfg.retries, backoff_s=cfg.backoff_s, backoff_max_s=cfg.backoff_max_s,
+                         retries=cfg.retries,
                          top_logprobs=cfg.top_logprobs, answer_variants=cfg.answer_variants, api_key=api_key)
     client.check_model()
     return RewardContext(judge=client, clip=ClipScorer(clip_dir), instruction=cfg.instruction,

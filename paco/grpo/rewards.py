@@ -89,15 +89,22 @@ class RewardContext:
 
 RewardFn = Callable[[Sequence[Image.Image], Sequence[PromptInfo], RewardContext], np.ndarray]
 REWARDS: dict[str, RewardFn] = {}
+#: Rewards computed by a served model (the judge over HTTP), not on this process's device: a
+#: trainer may score them on a worker thread while it samples (``rollout.overlap_rewards``).
+SERVED_REWARDS: set[str] = set()
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Add a reward function to :data:`REWARDS` under ``name``."""
+def register(name: str, *, served: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Add a reward function to :data:`REWARDS` under ``name`` (``served``: it only waits on a
+    served model, see :data:`SERVED_REWARDS`; such a function must give each sample the same
+    value whichever other samples it is called with)."""
 
     def deco(fn: RewardFn) -> RewardFn:
         if name in REWARDS:
             raise ValueError(f"reward {name!r} registered twice")
         REWARDS[name] = fn
+        if served:
+            SERVED_REWARDS.add(name)
         return fn
 
     return deco
@@ -109,7 +116,7 @@ def _need(obj: Any, what: str, reward: str) -> Any:
     return obj
 
 
-@register("consistency")
+@register("consistency", served=True)
 def consistency(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ctx: RewardContext) -> np.ndarray:
     """Mean judge score over all panel pairs of each grid (see the module table).
 

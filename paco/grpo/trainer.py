@@ -16,7 +16,9 @@ One epoch (the reference trainer's loop, ``train_flux.py`` of X-GenGroup/PaCo-RL
    the ``G`` trajectories of a prompt share their initial noise (``g = 0``) and differ only by the
    SDE noise: the group's reward differences then come from the trained steps alone.
 3. **Reward**: every reward of ``rewards`` (name -> weight) for every decoded grid
-   (:mod:`paco.grpo.rewards`); failures raise.
+   (:mod:`paco.grpo.rewards`); failures raise. With ``rollout.overlap_rewards`` the served
+   rewards (the judge) of each prompt's group are scored on a worker thread while the next
+   group is sampled (:class:`OverlappedRewards`), with the same results.
 4. **Advantages**: :func:`paco.grpo.advantages.aggregate` (``aggregation.method``, ``delta``,
    ``train.global_std``), clipped to ``+-train.adv_clip_max``.
 5. **Update**: the epoch's trajectories are shuffled (``default_rng([seed + epoch, 1])``) and cut into
@@ -64,6 +66,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,7 +82,7 @@ from paco.core.stage import broadcast_from_main
 from paco.core.io import write_json
 from paco.core.params import GrpoSubtaskParams, ParamsError
 from paco.grpo.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, PromptEmbeds, grid_size
-from paco.grpo.rewards import PromptInfo, RewardContext, compute_rewards
+from paco.grpo.rewards import SERVED_REWARDS, PromptInfo, RewardContext, compute_rewards
 from paco.core.run_identity import RunIdentity
 
 log = logging.getLogger("paco.grpo.trainer")
@@ -603,45 +606,104 @@ def resume(run: GrpoRun) -> GrpoState:
 @dataclass
 class Rollout:
     """One epoch's samples on this process: the chosen prompts (all processes), this process's
-    trajectories (global prompt-major indices) and their decoded images."""
+    trajectories (global prompt-major indices), their decoded images, and the served rewards
+    scored while sampling (reward name -> ``(n,)`` float64 in this process's trajectory order;
+    empty without ``overlap_rewards``)."""
 
     chosen: list[str]
     trajectories: list[Trajectory]
     images: list[Any]
+    served: dict[str, np.ndarray] = field(default_factory=dict)
+    served_wait_s: float = 0.0  # time spent after sampling waiting for the served rewards
+
+
+class OverlappedRewards:
+    """Scores the served rewards (:data:`paco.grpo.rewards.SERVED_REWARDS`, the judge) of each
+    prompt's group on one worker thread while the trainer samples the next group, as
+    ddpo-pytorch overlaps its reward server with sampling.
+
+    A served reward gives each sample the same value whichever samples it is called with (the
+    judge server's ``batching: auto`` is batch-invariant), so the rewards, advantages and LoRA
+    equal those of scoring the whole epoch after sampling (tests/test_grpo.py). A failure is
+    raised at the next :meth:`submit` or at :meth:`collect`; never turned into a score.
+    """
+
+    def __init__(self, names: Sequence[str], ctx: RewardContext):
+        self.names = [n for n in names if n in SERVED_REWARDS]
+        self.ctx = ctx
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-rewards") if self.names else None
+        self._parts: list[Future] = []
+
+    def submit(self, images: list[Any], infos: list[PromptInfo]) -> None:
+        """Queue one group's images; raises the error of an earlier group that failed."""
+        if self._pool is None or not images:
+            return
+        for done in self._parts:
+            if done.done() and done.exception() is not None:
+                raise done.exception()
+        self._parts.append(self._pool.submit(compute_rewards, self.names, list(images), list(infos), self.ctx))
+
+    def collect(self) -> dict[str, np.ndarray]:
+        """Wait for every group; reward name -> ``(n,)`` float64 in submission order."""
+        parts = [f.result() for f in self._parts]
+        self._parts = []
+        return {n: np.concatenate([p[n] for p in parts]) if parts else np.zeros(0) for n in self.names}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def rollout(run: GrpoRun, epoch: int) -> Rollout:
     """Sample the epoch's ``K x G`` trajectories with the old adapter; trajectory ``i`` (prompt
-    major) on process ``i % P`` (:func:`epoch_prompts`, :func:`sample_group`)."""
+    major) on process ``i % P`` (:func:`epoch_prompts`, :func:`sample_group`). With
+    ``rollout.overlap_rewards`` the served rewards of each group are scored while the next
+    one is sampled (:class:`OverlappedRewards`).
+
+    Raises:
+        paco.grpo.rewards.RewardError, paco.judge.client.JudgeError: a served reward failed.
+    """
     cfg = run.cfg
     chosen = epoch_prompts(run.train_ids, cfg.prompts_per_epoch, cfg.seed, epoch)
     trajs: list[Trajectory] = []
     images: list[Any] = []
-    with run.policy.using(OLD_ADAPTER):
-        for k, pid in enumerate(chosen):
-            mine = [g for g in range(cfg.group_size) if (k * cfg.group_size + g) % run.world == run.rank]
-            if not mine:
-                continue
-            emb = run.policy.encode_prompts([run.infos[pid].prompt])
-            h, w = run.train_size[pid]
-            tr, ims = sample_group(run.policy, run.infos[pid], emb, mine, cfg, epoch, h, w,
-                                   base_index=k * cfg.group_size)
-            trajs += tr
-            images += ims
-    return Rollout(chosen, trajs, images)
+    overlap = OverlappedRewards(list(cfg.rewards), run.ctx) if cfg.rollout.overlap_rewards else None
+    try:
+        with run.policy.using(OLD_ADAPTER):
+            for k, pid in enumerate(chosen):
+                mine = [g for g in range(cfg.group_size) if (k * cfg.group_size + g) % run.world == run.rank]
+                if not mine:
+                    continue
+                emb = run.policy.encode_prompts([run.infos[pid].prompt])
+                h, w = run.train_size[pid]
+                tr, ims = sample_group(run.policy, run.infos[pid], emb, mine, cfg, epoch, h, w,
+                                       base_index=k * cfg.group_size)
+                trajs += tr
+                images += ims
+                if overlap is not None:
+                    overlap.submit(ims, [run.infos[pid]] * len(ims))
+        t_wait = time.perf_counter()
+        served = overlap.collect() if overlap is not None else {}
+        wait = time.perf_counter() - t_wait
+    finally:
+        if overlap is not None:
+            overlap.close()
+    return Rollout(chosen, trajs, images, served, wait)
 
 
 def reward(run: GrpoRun, roll: Rollout) -> dict[str, np.ndarray]:
     """Every reward of ``rewards`` for this process's samples, gathered over processes:
-    reward name -> ``(K * G,)`` float64 in trajectory order.
+    reward name -> ``(K * G,)`` float64 in trajectory order. Served rewards already scored
+    during the rollout (``roll.served``) are taken from there.
 
     Raises:
         paco.grpo.rewards.RewardError, paco.judge.client.JudgeError: a reward failed.
         RuntimeError: the gathered rewards do not cover the epoch exactly once.
     """
     cfg = run.cfg
-    local_rewards = compute_rewards(list(cfg.rewards), roll.images, [run.infos[t.prompt_id] for t in roll.trajectories],
-                                    run.ctx)
+    infos = [run.infos[t.prompt_id] for t in roll.trajectories]
+    rest = [n for n in cfg.rewards if n not in roll.served]
+    local_rewards = {**compute_rewards(rest, roll.images, infos, run.ctx), **roll.served}
     local = [(t.index, {k: float(v[j]) for k, v in local_rewards.items()}) for j, t in enumerate(roll.trajectories)]
     gathered = sorted(_gather(run.accelerator, local), key=lambda r: r[0])
     if [i for i, _ in gathered] != list(range(run.n_traj)):
@@ -950,8 +1012,9 @@ def train_grpo(
         tt = time.perf_counter()
         stats = update(run, roll, adv.advantages, epoch, state)
         te = time.perf_counter()
-        state.timings["rollout"] += tr - ts
-        state.timings["reward"] += tt - tr
+        # the wait for overlapped served rewards after the last group counts as reward time
+        state.timings["rollout"] += tr - ts - roll.served_wait_s
+        state.timings["reward"] += tt - tr + roll.served_wait_s
         state.timings["train"] += te - tt
         row = epoch_row(run, epoch, rewards, adv, stats)
         state.history["train"].append(row)

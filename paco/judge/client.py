@@ -11,8 +11,9 @@ among the top tokens the other counts as impossible (log-prob ``-inf``: score 1 
 the reference; when neither is, the reply is an error (the reference returns 0.0 there; a judge
 that answers neither is not a judge that says "inconsistent").
 
-Failures never become scores: a request that still fails after ``retries`` retries with
-exponential backoff raises :class:`JudgeError` naming the URL and the HTTP status. A prompt too
+Requests go through the official ``openai`` client (timeouts, retries and backoff are its own
+options). Failures never become scores: a request that still fails after ``retries`` retries
+raises :class:`JudgeError` naming the URL, the served model name and the HTTP status. A prompt too
 long for the judge's context (the server's 400, from ``paco.judge.serve`` or vLLM) raises
 :class:`JudgeContextLengthError` with the token count and the limit (the reference retries and
 then scores such a pair 0.0).
@@ -20,6 +21,7 @@ then scores such a pair 0.0).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -27,16 +29,18 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
-from paco.core.http import HTTPRequestError, request_json, with_retries
 from paco.judge.model import canonical_answer
 from paco.judge.templates import NO, YES, build_openai_messages, png_bytes
 
@@ -130,27 +134,45 @@ def _root(base_url: str) -> str:
     return f"{parsed.scheme}://{parsed.netloc}"
 
 
+def _status_error_message(exc: Any) -> str:
+    """The server's own message of an ``openai.APIStatusError`` (OpenAI or vLLM error body)."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+        if isinstance(body.get("message"), str):
+            return body["message"]
+    return str(getattr(exc, "message", exc))
+
+
 class JudgeClient:
-    """Scores (image A, image B, instruction) triples against an OpenAI-compatible judge.
+    """Scores (image A, image B, instruction) triples against an OpenAI-compatible judge, through
+    the official ``openai`` client.
 
     Args:
         base_url: ``http://host:port/v1``.
         model: the served model name (``--served-model-name``).
-        concurrency: requests in flight at once (the server batches them).
-        timeout_s: per request.
-        retries, backoff_s, backoff_max_s: transient failures (connection refused, timeout, 5xx,
-            429) are retried ``retries`` times after ``min(backoff_s * 2**k, backoff_max_s)`` s.
+        concurrency: requests in flight at once (a thread pool over one client; the server
+            batches them).
+        timeout_s: per request (the client's ``timeout``).
+        retries: the client's ``max_retries``: connection errors, timeouts, HTTP 408, 409, 429
+            and 5xx are retried with the client's exponential backoff (0.5 s doubling to at most
+            8 s, with jitter, or the server's ``Retry-After``); other 4xx are not retried.
         top_logprobs: how many first tokens to ask for (vLLM allows up to 20).
         answer_variants: see :func:`yes_probability`.
-        api_key: ``Authorization: Bearer`` (e.g. ``vllm serve --api-key``); ``None``: none.
+        api_key: sent as ``Authorization: Bearer`` (e.g. ``vllm serve --api-key``); ``None``:
+            the placeholder ``EMPTY``, which servers without a key ignore.
 
     Raises:
         ValueError: a URL that is not http(s).
     """
 
     def __init__(self, base_url: str, model: str, *, concurrency: int = 8, timeout_s: float = 60.0,
-                 retries: int = 3, backoff_s: float = 0.5, backoff_max_s: float = 8.0, top_logprobs: int = 20,
-                 answer_variants: bool = False, api_key: str | None = None):
+                 retries: int = 3, top_logprobs: int = 20, answer_variants: bool = False,
+                 api_key: str | None = None):
+        from openai import OpenAI
+
         parsed = urllib.parse.urlparse(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"judge url must be http(s)://host:port/v1, got {base_url!r}")
@@ -159,33 +181,45 @@ class JudgeClient:
         self.concurrency = max(1, int(concurrency))
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
-        self.backoff_s = float(backoff_s)
-        self.backoff_max_s = float(backoff_max_s)
         self.top_logprobs = int(top_logprobs)
         self.answer_variants = bool(answer_variants)
-        self._api_key = api_key
+        self._client = OpenAI(base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=self.retries,
+                              timeout=self.timeout_s)
         self.requests = 0
 
     def __repr__(self) -> str:
         return f"JudgeClient({self.base_url!r}, model={self.model!r})"
 
-    def _call(self, url: str, payload: dict[str, Any] | None = None) -> Any:
-        try:
-            return with_retries(
-                lambda: request_json(url, payload, timeout_s=self.timeout_s, api_key=self._api_key),
-                retries=self.retries, backoff_s=self.backoff_s, backoff_max_s=self.backoff_max_s,
-            )
-        except HTTPRequestError as exc:
-            status = f"HTTP status {exc.status}" if exc.status is not None else "no HTTP response"
-            refusal = _context_refusal(str(exc)) if exc.status == 400 else None
+    def close(self) -> None:
+        self._client.close()
+
+    def _failure(self, exc: Exception, what: str) -> JudgeError:
+        """The :class:`JudgeError` for an ``openai`` exception after the client's retries."""
+        import openai
+
+        tries = f"after {self.retries + 1} attempt(s)"
+        where = f"judge {what} at {self.base_url} (served model {self.model!r})"
+        if isinstance(exc, openai.APIStatusError):
+            message = _status_error_message(exc)
+            status = exc.status_code
+            refusal = _context_refusal(message) if status == 400 else None
             if refusal is not None:
                 n, limit = refusal
-                raise JudgeContextLengthError(
-                    f"judge request to {exc.url} refused ({status}): the judge prompt is {n} tokens and the "
-                    f"judge's context is {limit} positions (prompt + 1 answer token must fit); shorten the "
-                    f"instruction (judge_endpoint.instruction: rank, or a shorter theme) or the images. Server: {exc}",
-                    n, limit) from None
-            raise JudgeError(f"judge request to {exc.url} failed ({status}): {exc}") from None
+                return JudgeContextLengthError(
+                    f"{where} refused (HTTP status 400): the judge prompt is {n} tokens and the judge's context "
+                    f"is {limit} positions (prompt + 1 answer token must fit); shorten the instruction "
+                    f"(judge_endpoint.instruction: rank, or a shorter theme) or the images. Server: {message}",
+                    n, limit)
+            retried = status in (408, 409, 429) or status >= 500
+            return JudgeError(f"{where} failed (HTTP status {status}{', ' + tries if retried else ', not retried'})"
+                              f": {message}")
+        if isinstance(exc, openai.APITimeoutError):
+            return JudgeError(f"{where} failed (no HTTP response: timed out after {self.timeout_s:g} s, {tries})")
+        if isinstance(exc, openai.APIConnectionError):
+            cause = exc.__cause__ or exc
+            return JudgeError(f"{where} failed (no HTTP response: cannot connect, {tries}): "
+                              f"{type(cause).__name__}: {cause}")
+        return JudgeError(f"{where} failed: {type(exc).__name__}: {exc}")
 
     def served_models(self) -> list[str]:
         """Model ids from ``GET /v1/models``.
@@ -193,48 +227,60 @@ class JudgeClient:
         Raises:
             JudgeError: unreachable after the retries, or a malformed reply.
         """
-        obj = self._call(f"{self.base_url}/models")
+        import openai
+
         try:
-            return [str(m["id"]) for m in obj["data"]]
-        except (KeyError, TypeError) as exc:
-            raise JudgeError(f"malformed /models reply from {self.base_url}: {exc}") from None
+            return [str(m.id) for m in self._client.models.list().data]
+        except openai.OpenAIError as exc:
+            raise self._failure(exc, "GET /models") from None
 
     def check_model(self) -> None:
         """Raise :class:`JudgeError` unless the server serves ``model``."""
         served = self.served_models()
         if self.model not in served:
             raise JudgeError(f"judge server {self.base_url} serves {served}, not {self.model!r} "
-                             "(check judge.served_model_name / --served-model-name)")
+                             "(check judge_endpoint.served_model_name / --served-model-name)")
 
     def health(self) -> dict[str, Any]:
-        """``GET /health`` at the server root (one try); raises :class:`JudgeError` if down."""
+        """``GET /health`` at the server root (one try, not an OpenAI route: plain HTTP).
+
+        Raises:
+            JudgeError: unreachable, or not healthy (the server's status is in the message).
+        """
         url = f"{_root(self.base_url)}/health"
         try:
-            obj = request_json(url, timeout_s=min(self.timeout_s, 5.0))
-        except HTTPRequestError as exc:
-            raise JudgeError(f"judge health check {url} failed: {exc}") from None
+            with urllib.request.urlopen(url, timeout=min(self.timeout_s, 5.0)) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise JudgeError(f"judge health check {url}: HTTP {exc.code}: {exc.read()[:300]!r}") from None
+        except (OSError, ValueError) as exc:
+            raise JudgeError(f"judge health check {url} failed: {type(exc).__name__}: {exc}") from None
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            raise JudgeError(f"judge health check {url}: not JSON: {body[:200]!r}") from None
         return obj if isinstance(obj, dict) else {}
 
     def _score_one(self, request: tuple[bytes, bytes, str]) -> float:
+        import openai
+
         png_a, png_b, text = request
-        payload = {
-            "model": self.model,
-            "messages": build_openai_messages(png_a, png_b, text),
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "logprobs": True,
-            "top_logprobs": self.top_logprobs,
-        }
-        url = f"{self.base_url}/chat/completions"
-        obj = self._call(url, payload)
         try:
-            top = obj["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
-        except (KeyError, IndexError, TypeError) as exc:
-            raise JudgeError(f"reply from {url} has no first-token top_logprobs ({exc!r}): {str(obj)[:200]}") from None
+            completion = self._client.chat.completions.create(
+                model=self.model, messages=build_openai_messages(png_a, png_b, text), max_tokens=1,
+                temperature=0.0, logprobs=True, top_logprobs=self.top_logprobs)
+        except openai.OpenAIError as exc:
+            raise self._failure(exc, "POST /chat/completions") from None
         try:
-            return yes_probability(top, answer_variants=self.answer_variants)
+            top = completion.choices[0].logprobs.content[0].top_logprobs
+            entries = [{"token": t.token, "logprob": t.logprob} for t in top]
+        except (AttributeError, IndexError, TypeError) as exc:
+            raise JudgeError(f"reply from {self.base_url}/chat/completions has no first-token top_logprobs "
+                             f"({exc!r}): {str(completion)[:200]}") from None
+        try:
+            return yes_probability(entries, answer_variants=self.answer_variants)
         except JudgeError as exc:
-            raise JudgeError(f"{url}: {exc}") from None
+            raise JudgeError(f"{self.base_url}/chat/completions: {exc}") from None
 
     def score(self, triples: Sequence[tuple[Image.Image, Image.Image, str]]) -> list[float]:
         """``P(Yes)/(P(Yes)+P(No))`` per triple, in input order, floats in [0, 1].
@@ -248,17 +294,33 @@ class JudgeClient:
         self.requests += len(triples)
         if not triples:
             return []
-        # each distinct image is PNG-encoded once (a grid's panels appear in several pairs)
-        pngs: dict[int, bytes] = {}
-        for a, b, _ in triples:
-            for im in (a, b):
-                if id(im) not in pngs:
-                    pngs[id(im)] = png_bytes(im)
-        requests = [(pngs[id(a)], pngs[id(b)], text) for a, b, text in triples]
-        if self.concurrency == 1 or len(requests) == 1:
-            return [self._score_one(r) for r in requests]
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(requests))) as pool:
-            return list(pool.map(self._score_one, requests))
+        # each distinct image is PNG-encoded once (a grid's panels appear in several pairs), by
+        # the first request that needs it, so encoding overlaps the requests already in flight
+        encoded: dict[int, Future] = {}
+        lock = threading.Lock()
+
+        def png(image: Image.Image) -> bytes:
+            with lock:
+                fut = encoded.get(id(image))
+                owner = fut is None
+                if owner:
+                    fut = encoded[id(image)] = Future()
+            if owner:
+                try:
+                    fut.set_result(png_bytes(image))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+                    raise
+            return fut.result()
+
+        def one(triple: tuple[Image.Image, Image.Image, str]) -> float:
+            a, b, text = triple
+            return self._score_one((png(a), png(b), text))
+
+        if self.concurrency == 1 or len(triples) == 1:
+            return [one(t) for t in triples]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(triples))) as pool:
+            return list(pool.map(one, triples))
 
 
 class LocalJudgeServer:
@@ -267,7 +329,8 @@ class LocalJudgeServer:
     ``__enter__`` starts the process, waits until ``/health`` answers (or the process dies, or
     ``startup_timeout_s`` passes), checks that ``/v1/models`` lists ``served_model_name``, and
     returns the base URL (``http://127.0.0.1:<port>/v1``). ``__exit__`` stops it (SIGTERM, then
-    SIGKILL after 10 s). The server's log goes to ``log_path`` (default: a temp file), whose tail
+    SIGKILL after 10 s). The server is started with ``--parent-pid`` of this process, so it also
+    shuts down when this process dies without reaching ``__exit__`` (SIGKILL, OOM kill). The server's log goes to ``log_path`` (default: a temp file), whose tail
     is quoted if it fails to start. ``batching`` and ``max_model_len`` are the server's
     ``--batching`` (default ``auto``: batch-invariant, see :mod:`paco.judge.serve`) and
     ``--max-model-len`` (``None``: the model's ``max_position_embeddings``).
@@ -312,7 +375,7 @@ class LocalJudgeServer:
                "--port-file", str(port_file), "--max-batch-size", str(self.max_batch_size),
                "--max-wait-ms", str(self.max_wait_ms), "--threads", str(self.threads), "--device", self.device,
                "--dtype", self.dtype, "--max-logprobs", str(self.max_logprobs), "--batching", self.batching,
-               "--max-model-len", str(self.max_model_len or 0)]
+               "--max-model-len", str(self.max_model_len or 0), "--parent-pid", str(os.getpid())]
         # OpenMP threads that busy-wait between the server's small forward passes would steal the
         # cores the trainer needs (and the other way round): make them sleep when idle.
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}

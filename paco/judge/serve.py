@@ -1,88 +1,126 @@
-"""Serve a PaCo-Reward judge over the OpenAI-compatible subset that vLLM exposes (CPU backend).
+"""Serve a PaCo-Reward judge over the OpenAI-compatible subset that vLLM exposes (FastAPI + uvicorn).
 
 At paper scale the judge is served by vLLM on GPUs::
 
     vllm serve data/reward_merge/model --served-model-name paco-reward --port 8000
 
 and the GRPO stage is pointed at it with ``judge_endpoint.url: http://<host>:8000/v1``. This module is
-the same protocol on a small transformers backend, for CPUs and tests::
+the same protocol on a transformers backend, for CPUs, single GPUs and tests::
 
-    python -m paco.judge.serve --model data/reward_merge/model --served-model-name paco-reward --port 8000
+    paco-serve-judge --model data/reward_merge/model --served-model-name paco-reward --port 8000
 
 Endpoints:
 
 * ``POST /v1/chat/completions`` -- one user message whose content is two ``image_url`` items
   (``data:image/png;base64,...`` or JPEG) and one ``text`` item, ``max_tokens`` (or
   ``max_completion_tokens``) 1, ``logprobs: true``, ``top_logprobs`` from 0 to ``--max-logprobs``
-  (default 20, as vLLM's flag of the same name). The answer is the
+  (default 20, as vLLM's flag of the same name). The body is validated by pydantic models of
+  the OpenAI schema (:class:`ChatCompletionRequest`; fields outside the served subset such as
+  ``temperature`` or ``seed`` are accepted and do not change the answer). The answer is the
   greedy first token; ``choices[0].logprobs.content[0]`` carries its log-prob and the
   ``top_logprobs`` most likely first tokens with their log-probs (``log_softmax`` of the
   first-position logits, float32), as vLLM returns them. Only first-token scoring is served:
   ``max_tokens > 1`` is a 400.
 * ``GET /v1/models`` -- the served model name and its ``max_model_len``.
-* ``GET /health`` -- 200 with ``{"status": "ok"}``, the resolved ``batching`` mode,
-  ``max_model_len`` and counters (``requests``, ``forward_passes``, ``max_batch``,
-  ``isolated_batches``, ``refused``) once the model is loaded.
+* ``GET /health`` -- the worker's real state: 200 ``{"status": "ok", ...}`` while the batching
+  worker is alive and no forward pass has run longer than ``--stall-s``; otherwise 503 with
+  ``"status": "stalled"`` (and how long it has been busy) or ``"stopped"``. Counters:
+  ``requests``, ``forward_passes``, ``max_batch``, ``isolated_batches``, ``refused``,
+  ``rejected`` (limits and overload), ``in_flight``, ``queued``.
 
-Batching (``--batching``): request threads put their item in a queue; one worker thread takes
-the first waiting item, then keeps taking items until ``max_batch_size`` are collected or
-``max_wait_ms`` have passed since the first. What it does with them depends on the mode:
+Request path: the handler (asyncio) reads the body under a size bound and a per-read timeout,
+then, on a thread of the server's pool, validates it, decodes both images (pixel bound checked
+from the header, before decoding), bounds the instruction's tokens and encodes the request with
+the judge's processor (:meth:`paco.judge.model.Judge.encode`, whose exact prompt length is
+checked against the context). Only then is it queued for the one worker thread that owns the
+model, so the worker does nothing but forward passes and the CPU-bound preparation of the next
+requests overlaps them.
 
-* ``same_shape``: each request is encoded alone (:meth:`paco.judge.model.Judge.encode`, no padding);
-  requests whose encodings have identical shapes (token count, image grids, pixel rows) are
-  concatenated along the batch and scored in one forward pass, each other shape in its own.
-  Nothing is padded, and every row goes through the same per-row computation whatever the batch,
-  so a request's log-probs are bit-identical whether it is scored alone or with any others (on
-  CPU: checked for batches of 1 to 32 with 1 and 2 torch threads, and tests/test_serve.py;
-  GRPO's concurrent requests, the pairs of one grid with one theme, mostly share a shape). On
-  CPU the log-probs of one request also did not change with the torch thread count (1 to 8).
+Batching (``--batching``): the worker takes the first waiting request, then keeps taking
+requests until ``max_batch_size`` are collected or ``max_wait_ms`` have passed since the first.
+What it does with them depends on the mode:
+
+* ``same_shape``: requests whose encodings have identical shapes (token count, image grids,
+  pixel rows) are concatenated along the batch and scored in one forward pass, each other
+  shape in its own; a request whose two images have different grids (e.g. 32x32 and 32x31 px
+  panels of a grid cut at its separator bands) is always scored alone, because the vision
+  tower's result for it changes inside any batch. Nothing is padded, and every row goes through the same per-row computation
+  whatever the batch, so a request's log-probs are bit-identical whether it is scored alone or
+  with any others (on CPU: checked for batches of 1 to 32 with 1 and 2 torch threads, and
+  tests/test_serve.py; GRPO's concurrent requests, the pairs of one grid with one theme, mostly
+  share a shape).
 * ``single``: every request is its own forward pass, without waiting ``max_wait_ms``
   (bit-invariant on any backend, including CUDA, where cuBLAS may choose a different kernel per
   batch size; slower).
 * ``auto`` (default): ``same_shape`` on CPU, ``single`` on any other device.
-* ``dynamic``: all collected requests in one left-padded forward pass (the fastest, but a
-  request's logits then depend on the others through padding, by up to ~3e-6, so GRPO runs
-  are not reproducible run to run).
+* ``dynamic``: all collected requests encoded together, left-padded, in one forward pass (the
+  fastest, but a request's logits then depend on the others through padding, by up to ~3e-6,
+  so GRPO runs are not reproducible run to run).
 
-Concurrent requests therefore share forward passes; ``/health``'s counters show how many.
+Limits (each checked before the model sees the request; a 400 names the limit unless noted):
 
-Context length: a request whose prompt (image tokens included) plus its one answer token
-exceeds ``--max-model-len`` (default: the model's ``max_position_embeddings``) is a 400 whose
-message starts as vLLM's (``This model's maximum context length is 4096 tokens. However, you
-requested 9688 tokens (9687 in the messages, 1 in the completion).``); nothing is truncated
-(see :class:`paco.judge.model.JudgeContextError`). ``/v1/models`` reports ``max_model_len``.
+* ``--max-body-mb``: a declared ``Content-Length`` above it is refused before the body is read;
+  a chunked body is counted as it arrives. A body that stops arriving for ``--read-timeout-s``
+  is a 408. A malformed ``Content-Length`` (negative, not a number) is refused by the HTTP
+  parser (uvicorn's 400).
+* ``--max-image-pixels``: width x height of each image, read from its header; decompression
+  bombs are refused without decoding.
+* context: an instruction longer in characters than ``--max-model-len`` (default: the model's
+  ``max_position_embeddings``) times the vocabulary's longest token is refused without
+  tokenizing; otherwise the full prompt, image tokens included, is counted exactly when the
+  request is encoded. Either refusal is worded as vLLM's (``This model's maximum context
+  length is 4096 tokens. However, you requested 9688 tokens (9687 in the messages, 1 in the
+  completion).``). Nothing is truncated (see :class:`paco.judge.model.JudgeContextError`).
+* ``--max-in-flight``: requests accepted and not yet answered; above it a request is a 503
+  (overloaded, retried by the official client with backoff).
+* uvicorn's listen backlog (``--backlog``, default 2048) and connection bound
+  (``--max-connections``, a 503 above it).
 
-Errors: a malformed request is a 400 with the reason, an unknown model name a 404 (vLLM's
-behaviour). An input the judge's processor refuses (``ValueError``, e.g. an extreme aspect
-ratio) or that is too long is a 400 for that request only. When a batched forward pass fails,
-its requests are scored again one at a time, so only the request that caused it fails (a 500).
-A request not answered within ``--request-timeout-s`` is a 503 and is dropped from the queue
-(not computed later). The server keeps running.
+Errors are OpenAI error objects (``{"error": {"message", "type", "param", "code"}}``): a
+malformed request is a 400 with the reason, an unknown model name a 404 (vLLM's behaviour), an
+input the judge's processor refuses (``ValueError``, e.g. an extreme aspect ratio) a 400 for that
+request only. When a batched forward pass fails, its requests are scored again one at a time,
+so only the request that caused it fails (a 500). A request not answered within
+``--request-timeout-s`` is a 503 and is dropped from the queue (not computed later). The
+server keeps running.
+
+Lifetime: ``--parent-pid PID`` makes the server shut down when that process is gone (checked
+every half second), so a trainer killed with SIGKILL leaves no judge server behind
+(:class:`paco.judge.client.LocalJudgeServer` passes its own pid). SIGTERM / SIGINT shut down
+gracefully.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import binascii
-import json
+import copy
+import hashlib
 import logging
 import math
+import os
 import queue
-import signal
+import socket
 import sys
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paco.core.io import ImageDecodeError, decode_image
-from paco.judge.model import JudgeContextError
+from paco.judge.model import JudgeContextError, check_context, encode_prompts
 
 log = logging.getLogger("paco.judge.serve")
 
@@ -91,7 +129,7 @@ MAX_TOP_LOGPROBS = 20
 
 
 class BadRequest(ValueError):
-    """The request does not follow the served protocol (HTTP 400, or ``status``)."""
+    """The request does not follow the served protocol or breaks a limit (HTTP 400, or ``status``)."""
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
@@ -115,17 +153,91 @@ def resolve_batching(mode: str, device: Any) -> str:
     return mode
 
 
+# --------------------------------------------------------------------------------------------
+# the OpenAI request schema (the served subset; other fields are accepted and ignored)
+# --------------------------------------------------------------------------------------------
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Schema):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Schema):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class TextPart(_Schema):
+    type: Literal["text"]
+    text: str
+
+
+ContentPart = Annotated[ImagePart | TextPart, Field(discriminator="type")]
+
+
+class UserMessage(_Schema):
+    role: Literal["user"]
+    content: list[ContentPart]
+
+
+class ChatCompletionRequest(_Schema):
+    """``POST /v1/chat/completions`` as the OpenAI API defines it, narrowed to what is served."""
+
+    model: str
+    messages: list[UserMessage] = Field(min_length=1, max_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    n: int = 1
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may cost before the model sees it (see the module docstring).
+
+    Attributes:
+        max_body_bytes: request body bound (bytes).
+        max_image_pixels: width x height bound per image.
+        max_in_flight: accepted, unanswered requests; more are a 503.
+        read_timeout_s: longest wait for the next piece of a request body (s).
+        request_timeout_s: longest wait for a request's score once queued (s), then a 503.
+        stall_s: a forward pass running longer than this makes ``/health`` report ``stalled``.
+        feature_cache_bytes: bound on the per-image feature cache (:class:`ImageFeatureCache`);
+            a quarter of it again bounds the decoded-image cache. 0 disables both.
+    """
+
+    max_body_bytes: int = 32 << 20
+    max_image_pixels: int = 4096 * 4096
+    max_in_flight: int = 256
+    read_timeout_s: float = 30.0
+    request_timeout_s: float = 300.0
+    stall_s: float = 120.0
+    feature_cache_bytes: int = 512 << 20
+
+
 @dataclass
 class _Item:
     triple: tuple[Any, Any, str]
     top_k: int
+    inputs: Any = None  # the request's own encoding (None: the worker encodes; dynamic encodes batches)
     future: Future = field(default_factory=Future)
-    inputs: Any = None  # the request's own encoding (same_shape / single)
 
 
-def _shape_key(inputs: Any) -> tuple:
+def _shape_key(inputs: Any) -> tuple | None:
     """What must be equal for two encodings to share an unpadded forward pass: every tensor's
-    shape, and the image grids (which set the vision tower's attention windows)."""
+    shape, and the image grids (which set the vision tower's attention windows). ``None`` when
+    the request's images have different grids: the Qwen2.5-VL vision tower then computes a
+    request's features differently inside a batch than alone (measured: ~1e-7 on CPU, for
+    every such batch), so such a request gets a forward pass of its own."""
+    if "image_grid_thw" in inputs and len({tuple(g) for g in inputs["image_grid_thw"].tolist()}) > 1:
+        return None
     key = []
     for name in sorted(inputs):
         v = inputs[name]
@@ -146,67 +258,12 @@ def _concat(encodings: list[Any]) -> dict[str, torch.Tensor]:
     return {name: torch.cat([e[name] for e in encodings], dim=0) for name in encodings[0]}
 
 
-def _decode_data_url(url: Any, what: str):
-    if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
-        raise BadRequest(f"{what}: only data:image/...;base64 URLs are served")
-    try:
-        data = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise BadRequest(f"{what}: invalid base64 ({exc})") from None
-    try:
-        return decode_image(data, what=what)
-    except ImageDecodeError as exc:
-        raise BadRequest(str(exc)) from None
-
-
-def parse_chat_request(body: dict[str, Any], served_model_name: str, max_logprobs: int = MAX_TOP_LOGPROBS
-                       ) -> tuple[tuple[Any, Any, str], int]:
-    """Validate a ``/v1/chat/completions`` body; return ``((image A, image B, text), top_k)``.
-
-    Raises:
-        BadRequest: anything outside the served subset (status 404 for an unknown model).
-    """
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    model = body.get("model")
-    if model != served_model_name:
-        raise BadRequest(f"The model `{model}` does not exist (served: `{served_model_name}`).", status=404)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 1))
-    if max_tokens != 1:
-        raise BadRequest(f"this server scores the first token only: max_tokens must be 1, got {max_tokens!r}")
-    if body.get("n", 1) != 1:
-        raise BadRequest("n must be 1")
-    top_k = body.get("top_logprobs", 0) if body.get("logprobs") else 0
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= max_logprobs:
-        raise BadRequest(f"top_logprobs must be an integer in [0, {max_logprobs}], got {top_k!r}")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or len(messages) != 1 or not isinstance(messages[0], dict):
-        raise BadRequest("messages must hold exactly one user message")
-    msg = messages[0]
-    if msg.get("role") != "user" or not isinstance(msg.get("content"), list):
-        raise BadRequest("the message must be a user turn with a content list")
-    images, texts = [], []
-    for part in msg["content"]:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "image_url":
-            url = part.get("image_url", {}).get("url") if isinstance(part.get("image_url"), dict) else None
-            images.append(_decode_data_url(url, f"image {len(images) + 1}"))
-        elif kind == "text":
-            texts.append(part.get("text"))
-        else:
-            raise BadRequest(f"unsupported content part {kind!r}")
-    if len(images) != 2 or len(texts) != 1 or not isinstance(texts[0], str) or not texts[0].strip():
-        raise BadRequest(f"the content must be [image A, image B, text]; got {len(images)} image(s) and "
-                         f"{len(texts)} text(s)")
-    return (images[0], images[1], texts[0]), top_k
-
-
 class BatchingJudge:
     """Scores queued requests in batches on one worker thread (see the module docstring).
 
     Args:
         judge: a :class:`paco.judge.model.Judge` (its ``batch_size`` is not used here); the worker
-            calls its ``encode`` and ``logits``.
+            calls its ``logits`` (and its ``encode`` for requests queued without an encoding).
         max_batch_size: at most this many requests collected per round.
         max_wait_ms: after the first request of a round arrives, wait at most this long for more.
         batching: one of :data:`BATCHING_MODES`; ``auto`` is resolved on the judge's device.
@@ -230,15 +287,22 @@ class BatchingJudge:
         self.max_batch = 0
         self.isolated_batches = 0  # batches whose forward pass failed and were rescored one by one
         self.refused = 0  # requests whose input the judge refused (too long, processor error)
+        self.busy_since: float | None = None  # monotonic start of the round being computed
         self._lock = threading.Lock()
         self._token_text: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name="judge-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, triple: tuple[Any, Any, str], top_k: int) -> Future:
-        """Queue one request; the future resolves to ``(token_id, logprob, [(id, logprob), ...])``
-        or raises (:class:`paco.judge.model.JudgeContextError` / ``ValueError`` for a refused input)."""
-        item = _Item(triple, top_k)
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, triple: tuple[Any, Any, str], top_k: int, inputs: Any = None) -> Future:
+        """Queue one request (``inputs``: its own encoding from ``judge.encode([triple])``, or
+        ``None`` to let the worker encode it); the future resolves to ``(token_id, logprob,
+        [(id, logprob), ...])`` or raises (:class:`paco.judge.model.JudgeContextError` /
+        ``ValueError`` for a refused input)."""
+        item = _Item(triple, top_k, inputs)
         with self._lock:
             self.requests += 1
         self.queue.put(item)
@@ -275,7 +339,7 @@ class BatchingJudge:
         Items carrying their own encoding (``same_shape``/``single``) are concatenated unpadded;
         otherwise (``dynamic``) the triples are encoded together, left-padded.
         """
-        if batch[0].inputs is not None:
+        if batch[0].inputs is not None and self.batching != "dynamic":
             logits = self.judge.logits(_concat([it.inputs for it in batch]))
         else:
             logits = self.judge.logits(self.judge.encode([it.triple for it in batch]))
@@ -332,8 +396,10 @@ class BatchingJudge:
         groups: dict[tuple, list[_Item]] = {}
         for it in batch:
             try:
-                it.inputs = self.judge.encode([it.triple])
-                key = _shape_key(it.inputs) if self.batching == "same_shape" else (id(it),)
+                if it.inputs is None:
+                    it.inputs = self.judge.encode([it.triple])
+                key = _shape_key(it.inputs) if self.batching == "same_shape" else None
+                key = (id(it),) if key is None else key
             except Exception as exc:  # noqa: BLE001 - this request's own input
                 self._refuse(it, exc)
                 continue
@@ -350,6 +416,7 @@ class BatchingJudge:
             # requests whose handler gave up (timeout) were cancelled: do not compute them
             batch = [it for it in batch if it.future.set_running_or_notify_cancel()]
             if batch:
+                self.busy_since = time.monotonic()
                 try:
                     self._process(batch)
                 except Exception as exc:  # noqa: BLE001 - never leave a request waiting
@@ -357,8 +424,255 @@ class BatchingJudge:
                     for it in batch:
                         if not it.future.done():
                             it.future.set_exception(exc)
+                finally:
+                    self.busy_since = None
             if stop:
                 return
+
+
+# --------------------------------------------------------------------------------------------
+# request preparation (runs on the server's thread pool, not on the worker)
+# --------------------------------------------------------------------------------------------
+
+#: ``PIL.Image.info`` key under which the server records an image's content digest.
+IMAGE_KEY = "paco_digest"
+
+
+class ImageFeatureCache:
+    """The judge processor's image processor with a byte-bounded LRU of per-image features,
+    keyed by the image's content digest (what vLLM's multimodal processor cache does).
+
+    In GRPO every panel of a grid appears in several pairs (a 2x2 grid's 4 panels in 6), so
+    most images a server sees were decoded and preprocessed moments before. Images without a
+    digest (``image.info[IMAGE_KEY]``) are processed and not cached.
+
+    Each image is processed on its own and the features concatenated in order, which is what the
+    Qwen2-VL image processor does for a list (checked bit for bit in tests/test_serve.py).
+    Thread-safe; other attributes are the wrapped processor's.
+
+    Args:
+        image_processor: e.g. ``Qwen2VLImageProcessorPil``.
+        max_bytes: bound on the cached tensors' bytes (0 disables caching).
+    """
+
+    def __init__(self, image_processor: Any, max_bytes: int = 512 << 20):
+        self._inner = image_processor
+        self.max_bytes = int(max_bytes)
+        self._entries: OrderedDict[tuple, tuple[dict, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _features(self, image: Any, kwargs: dict[str, Any], kw_key: str) -> dict[str, Any]:
+        digest = getattr(image, "info", {}).get(IMAGE_KEY)
+        key = (digest, kw_key)
+        if digest is not None and self.max_bytes > 0:
+            with self._lock:
+                hit = self._entries.get(key)
+                if hit is not None:
+                    self._entries.move_to_end(key)
+                    self.hits += 1
+                    return hit[0]
+        feats = dict(self._inner([image], **kwargs))
+        if digest is not None and self.max_bytes > 0:
+            size = sum(v.numel() * v.element_size() for v in feats.values() if isinstance(v, torch.Tensor))
+            with self._lock:
+                self.misses += 1
+                if key not in self._entries and size <= self.max_bytes:
+                    self._entries[key] = (feats, size)
+                    self._bytes += size
+                    while self._bytes > self.max_bytes:
+                        _, (_, old) = self._entries.popitem(last=False)
+                        self._bytes -= old
+        return feats
+
+    def __call__(self, images: Any, **kwargs: Any) -> Any:
+        from transformers import BatchFeature
+
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        tensor_type = kwargs.get("return_tensors")
+        kwargs = {**kwargs, "return_tensors": "pt"}
+        kw_key = repr(sorted((k, repr(v)) for k, v in kwargs.items()))
+        parts = [self._features(im, kwargs, kw_key) for im in images]
+        merged = {name: torch.cat([p[name] for p in parts], dim=0) for name in parts[0]}
+        return BatchFeature(merged, tensor_type=tensor_type)
+
+
+class _DecodedImages:
+    """A byte-bounded LRU of decoded images keyed by the digest of their base64 payload."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._entries: OrderedDict[bytes, Any] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, digest: bytes) -> Any:
+        with self._lock:
+            im = self._entries.get(digest)
+            if im is not None:
+                self._entries.move_to_end(digest)
+            return im
+
+    def put(self, digest: bytes, image: Any) -> None:
+        size = image.width * image.height * len(image.getbands())
+        if self.max_bytes <= 0 or size > self.max_bytes:
+            return
+        with self._lock:
+            if digest in self._entries:
+                return
+            self._entries[digest] = image
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.width * old.height * len(old.getbands())
+
+
+def _decode_data_url(url: str, what: str, max_pixels: int | None, decoded: _DecodedImages | None = None):
+    """The image of a ``data:image/...;base64,`` URL, its ``info[IMAGE_KEY]`` set to the
+    payload's digest (served from ``decoded`` when seen before).
+
+    Raises:
+        BadRequest: not a base64 data URL, invalid base64, not decodable, or over ``max_pixels``.
+    """
+    if not url.startswith("data:image/") or ";base64," not in url:
+        raise BadRequest(f"{what}: only data:image/...;base64 URLs are served")
+    payload = url.split(";base64,", 1)[1]
+    digest = hashlib.blake2b(payload.encode("ascii", "replace"), digest_size=20).digest()
+    if decoded is not None:
+        hit = decoded.get(digest)
+        if hit is not None:
+            return hit
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"{what}: invalid base64 ({exc})") from None
+    try:
+        image = decode_image(data, what=what, max_pixels=max_pixels)
+    except ImageDecodeError as exc:  # ImageTooLargeError included: checked from the header
+        raise BadRequest(str(exc)) from None
+    image.info[IMAGE_KEY] = digest
+    if decoded is not None:
+        decoded.put(digest, image)
+    return image
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "invalid request: " + "; ".join(parts)
+
+
+def parse_chat_request(body: bytes | str | dict[str, Any], served_model_name: str, *,
+                       max_logprobs: int = MAX_TOP_LOGPROBS, max_image_pixels: int | None = None,
+                       decoded: _DecodedImages | None = None) -> tuple[tuple[Any, Any, str], int]:
+    """Validate a ``/v1/chat/completions`` body; return ``((image A, image B, text), top_k)``.
+
+    Args:
+        body: the raw JSON body, or the parsed object.
+        served_model_name: the only accepted ``model``.
+        max_logprobs: the largest ``top_logprobs`` served.
+        max_image_pixels: width x height bound per image (``None``: Pillow's own guard only).
+        decoded: a cache of decoded images (the server's), or ``None``.
+
+    Raises:
+        BadRequest: anything outside the served subset (status 404 for an unknown model).
+    """
+    try:
+        req = (ChatCompletionRequest.model_validate(body) if isinstance(body, dict)
+               else ChatCompletionRequest.model_validate_json(body))
+    except ValidationError as exc:
+        raise BadRequest(_validation_message(exc)) from None
+    if req.model != served_model_name:
+        raise BadRequest(f"The model `{req.model}` does not exist (served: `{served_model_name}`).", status=404)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens not in (None, 1):
+        raise BadRequest(f"this server scores the first token only: max_tokens must be 1, got {max_tokens!r}")
+    if req.n != 1:
+        raise BadRequest("n must be 1")
+    if req.stream:
+        raise BadRequest("stream is not served")
+    top_k = (req.top_logprobs or 0) if req.logprobs else 0
+    if top_k > max_logprobs:
+        raise BadRequest(f"top_logprobs must be an integer in [0, {max_logprobs}], got {top_k!r}")
+    images, texts = [], []
+    for part in req.messages[0].content:
+        if isinstance(part, ImagePart):
+            images.append(part.image_url.url)
+        else:
+            texts.append(part.text)
+    if len(images) != 2 or len(texts) != 1 or not texts[0].strip():
+        raise BadRequest(f"the content must be [image A, image B, text]; got {len(images)} image(s) and "
+                         f"{len(texts)} text(s)")
+    ims = [_decode_data_url(u, f"image {i + 1}", max_image_pixels, decoded) for i, u in enumerate(images)]
+    return (ims[0], ims[1], texts[0]), top_k
+
+
+class RequestPreparer:
+    """Turns a request body into a queued item's parts: parse, decode, bound, encode.
+
+    The instruction is bounded before the processor sees it (:meth:`check_text`); the exact
+    prompt length, image tokens included, is checked once the request is encoded, both as
+    :class:`paco.judge.model.JudgeContextError`.
+    """
+
+    def __init__(self, judge: Any, served_model_name: str, limits: ServerLimits, max_logprobs: int,
+                 encode: bool = True):
+        self.judge = judge
+        self.served_model_name = served_model_name
+        self.limits = limits
+        self.max_logprobs = max_logprobs
+        self.encode = encode
+        self.max_model_len = int(getattr(judge, "max_model_len", 0) or 0)
+        self.image_features = ImageFeatureCache(judge.processor.image_processor, limits.feature_cache_bytes)
+        self._local = threading.local()
+        self.decoded = _DecodedImages(limits.feature_cache_bytes // 4)
+        tok = judge.processor.tokenizer
+        self._max_token_chars = max((len(t) for t in tok.get_vocab()), default=1) or 1
+
+    def processor(self) -> Any:
+        """This thread's copy of the judge's processor: its own tokenizer (a fast tokenizer's
+        padding state is not safe to share between threads) and the shared
+        :class:`ImageFeatureCache`; the judge's own processor, used in process, is untouched."""
+        proc = getattr(self._local, "processor", None)
+        if proc is None:
+            proc = copy.copy(self.judge.processor)
+            proc.tokenizer = copy.deepcopy(self.judge.processor.tokenizer)
+            proc.image_processor = self.image_features
+            self._local.processor = proc
+        return proc
+
+    def check_text(self, text: str) -> None:
+        """Raise :class:`JudgeContextError` when ``text`` has more characters than
+        ``max_model_len x`` the longest token of the vocabulary: it is then longer than the context
+        in tokens, whatever they are (a lower bound, no tokenizing). Shorter texts are counted
+        exactly, with the images, when the request is encoded."""
+        if self.max_model_len and len(text) > self.max_model_len * self._max_token_chars:
+            raise JudgeContextError(len(text) // self._max_token_chars, self.max_model_len,
+                                    f"judge instruction alone ({len(text)} characters; a lower bound in tokens)")
+
+    def __call__(self, body: bytes) -> tuple[tuple[Any, Any, str], int, Any]:
+        """``(triple, top_k, encoding or None)``.
+
+        Raises:
+            BadRequest: protocol or limit (400/404).
+            paco.judge.model.JudgeContextError: too long for the context.
+            ValueError: the processor refused the input (e.g. an extreme aspect ratio).
+        """
+        triple, top_k = parse_chat_request(body, self.served_model_name, max_logprobs=self.max_logprobs,
+                                           max_image_pixels=self.limits.max_image_pixels, decoded=self.decoded)
+        self.check_text(triple[2])
+        if not self.encode:
+            return triple, top_k, None
+        inputs = encode_prompts(self.processor(), [triple])  # as judge.encode, features cached
+        check_context(inputs["attention_mask"].sum(dim=1), self.max_model_len or 1 << 62)
+        return triple, top_k, inputs
 
 
 def _logprob_entry(batcher: BatchingJudge, token_id: int, logprob: float) -> dict[str, Any]:
@@ -376,7 +690,7 @@ def completion_response(batcher: BatchingJudge, served_model_name: str, result: 
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
-        "created": 0,
+        "created": int(time.time()),
         "model": served_model_name,
         "choices": [{
             "index": 0,
@@ -384,96 +698,223 @@ def completion_response(batcher: BatchingJudge, served_model_name: str, result: 
             "logprobs": {"content": [entry]},
             "finish_reason": "length",
         }],
-        "usage": {"completion_tokens": 1},
+        "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1},
     }
 
 
-def make_server(judge: Any, served_model_name: str, host: str = "127.0.0.1", port: int = 0, *,
-                max_batch_size: int = 16, max_wait_ms: float = 10.0, max_logprobs: int = MAX_TOP_LOGPROBS,
-                request_timeout_s: float = 300.0, batching: str = "auto") -> ThreadingHTTPServer:
-    """An HTTP server (not yet serving) for ``judge``; ``server.batcher`` holds the counters.
+# --------------------------------------------------------------------------------------------
+# the app
+# --------------------------------------------------------------------------------------------
 
-    ``port=0`` binds a free port (``server.server_address[1]``). Call ``serve_forever()``
-    (e.g. on a thread) and ``shutdown()`` + ``batcher.close()`` to stop. ``batching``: see
-    :data:`BATCHING_MODES`.
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "BadRequestError", 408: "RequestTimeout",
+                413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """An OpenAI error object."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": None,
+                      "code": status}}
+
+
+class _ReadTimeout(Exception):
+    pass
+
+
+def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, max_wait_ms: float = 10.0,
+             max_logprobs: int = MAX_TOP_LOGPROBS, batching: str = "auto", limits: ServerLimits | None = None):
+    """The FastAPI app serving ``judge``; ``app.state.batcher`` holds the worker and its counters
+    (call ``app.state.batcher.close()`` when done).
+
+    Raises:
+        ValueError: bad batching settings.
     """
+    limits = limits or ServerLimits()
     batcher = BatchingJudge(judge, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, batching=batching)
+    prepare = RequestPreparer(judge, served_model_name, limits, max_logprobs,
+                              encode=batcher.batching != "dynamic")
     max_model_len = getattr(judge, "max_model_len", None)
-    counter = iter(range(1, 1 << 62))
-    counter_lock = threading.Lock()
+    app = FastAPI(title="PaCo-Reward judge", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.batcher = batcher
+    app.state.limits = limits
+    stats = {"in_flight": 0, "rejected": 0, "next_id": 1}
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse(error_body(status, message), status_code=status)
 
-        def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
-            log.debug("%s " + fmt, self.address_string(), *args)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error(exc.status_code, str(exc.detail) if exc.status_code != 404 else f"no route {request.url.path}")
 
-        def _send(self, status: int, obj: dict[str, Any]) -> None:
-            data = json.dumps(obj).encode("utf-8")
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(400, f"invalid request: {exc.errors()[:3]}")
 
-        def _error(self, status: int, message: str) -> None:
-            self._send(status, {"object": "error", "message": message, "code": status,
-                                "type": "BadRequestError" if status < 500 else "InternalServerError"})
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        busy = batcher.busy_since
+        busy_s = round(time.monotonic() - busy, 3) if busy is not None else 0.0
+        status = "stopped" if not batcher.alive else "stalled" if busy_s > limits.stall_s else "ok"
+        body = {"status": status, "model": served_model_name, "busy_s": busy_s, "requests": batcher.requests,
+                "forward_passes": batcher.forward_passes, "max_batch": batcher.max_batch,
+                "isolated_batches": batcher.isolated_batches, "refused": batcher.refused,
+                "rejected": stats["rejected"], "in_flight": stats["in_flight"], "queued": batcher.queue.qsize(),
+                "batching": batcher.batching, "max_model_len": max_model_len}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            if self.path.rstrip("/") == "/health":
-                self._send(200, {"status": "ok", "model": served_model_name, "requests": batcher.requests,
-                                 "forward_passes": batcher.forward_passes, "max_batch": batcher.max_batch,
-                                 "isolated_batches": batcher.isolated_batches, "refused": batcher.refused,
-                                 "batching": batcher.batching, "max_model_len": max_model_len})
-            elif self.path.rstrip("/") == "/v1/models":
-                self._send(200, {"object": "list", "data": [
-                    {"id": served_model_name, "object": "model", "owned_by": "paco", "max_model_len": max_model_len}]})
-            else:
-                self._error(404, f"no route {self.path}")
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
+                                                         "owned_by": "paco", "max_model_len": max_model_len}]})
 
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path.rstrip("/") != "/v1/chat/completions":
-                self._error(404, f"no route {self.path}")
-                return
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise BadRequest(f"request body of {int(declared)} bytes exceeds the limit of "
+                             f"{limits.max_body_bytes} bytes (--max-body-mb)")
+        chunks, size = [], 0
+        stream = request.stream().__aiter__()
+        while True:
             try:
-                length = int(self.headers.get("Content-Length", "0"))
-                body = json.loads(self.rfile.read(length) or b"null")
-                triple, top_k = parse_chat_request(body, served_model_name, max_logprobs)
+                chunk = await asyncio.wait_for(stream.__anext__(), timeout=limits.read_timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise _ReadTimeout() from None
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise BadRequest(f"request body exceeds the limit of {limits.max_body_bytes} bytes (--max-body-mb)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        if stats["in_flight"] >= limits.max_in_flight:
+            stats["rejected"] += 1
+            return error(503, f"overloaded: {stats['in_flight']} requests in flight (--max-in-flight "
+                              f"{limits.max_in_flight}); retry later")
+        stats["in_flight"] += 1
+        try:
+            try:
+                body = await read_body(request)
+                triple, top_k, inputs = await run_in_threadpool(prepare, body)
+            except _ReadTimeout:
+                stats["rejected"] += 1
+                return error(408, f"request body not received within {limits.read_timeout_s:g} s")
             except BadRequest as exc:
-                self._error(exc.status, str(exc))
-                return
-            except (ValueError, UnicodeDecodeError) as exc:
-                self._error(400, f"invalid JSON body ({exc})")
-                return
-            future = batcher.submit(triple, top_k)
+                stats["rejected"] += 1
+                return error(exc.status, str(exc))
+            except ValueError as exc:  # JudgeContextError (vLLM's wording first) or the processor's refusal
+                with batcher._lock:
+                    batcher.refused += 1
+                prefix = "" if isinstance(exc, JudgeContextError) else "judge cannot score this input: "
+                return error(400, f"{prefix}{exc}")
+            future = batcher.submit(triple, top_k, inputs)
             try:
-                result = future.result(timeout=request_timeout_s)
-            except FutureTimeout:
-                future.cancel()  # still queued: the batcher skips it
-                self._error(503, f"judge did not answer within {request_timeout_s:g} s")
-                return
-            except JudgeContextError as exc:  # too long: vLLM's message first, not retryable
-                self._error(400, str(exc))
-                return
-            except ValueError as exc:  # the judge's processor refused this input: not retryable
-                self._error(400, f"judge cannot score this input: {exc}")
-                return
+                result = await asyncio.wait_for(asyncio.wrap_future(future), timeout=limits.request_timeout_s)
+            except asyncio.TimeoutError:
+                future.cancel()  # still queued: the worker skips it
+                return error(503, f"judge did not answer within {limits.request_timeout_s:g} s")
+            except ValueError as exc:  # refused at the worker (dynamic batching encodes there)
+                prefix = "" if isinstance(exc, JudgeContextError) else "judge cannot score this input: "
+                return error(400, f"{prefix}{exc}")
             except Exception as exc:  # noqa: BLE001 - reported to the client as a 500
-                self._error(500, f"judge failed: {type(exc).__name__}: {exc}")
-                return
-            with counter_lock:
-                rid = next(counter)
-            self._send(200, completion_response(batcher, served_model_name, result, rid))
+                return error(500, f"judge failed: {type(exc).__name__}: {exc}")
+            rid = stats["next_id"]
+            stats["next_id"] += 1
+            return JSONResponse(completion_response(batcher, served_model_name, result, rid))
+        finally:
+            stats["in_flight"] -= 1
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    server.batcher = batcher  # type: ignore[attr-defined]
-    return server
+    return app
+
+
+class JudgeServer:
+    """A judge app on uvicorn, bound at construction (``port=0``: a free port, see :attr:`port`).
+
+    :meth:`start` serves on a background thread (tests, benchmarks); :meth:`run` serves on the
+    calling thread until SIGTERM/SIGINT or :meth:`stop`. ``batcher`` holds the counters.
+
+    Args:
+        judge, served_model_name, max_batch_size, max_wait_ms, max_logprobs, batching, limits:
+            see :func:`make_app`.
+        host, port: where to listen.
+        backlog: the listen backlog (connections waiting to be accepted).
+        max_connections: uvicorn's ``limit_concurrency`` (a 503 above it).
+    """
+
+    def __init__(self, judge: Any, served_model_name: str, host: str = "127.0.0.1", port: int = 0, *,
+                 max_batch_size: int = 16, max_wait_ms: float = 10.0, max_logprobs: int = MAX_TOP_LOGPROBS,
+                 batching: str = "auto", limits: ServerLimits | None = None, backlog: int = 2048,
+                 max_connections: int = 1024, log_level: str = "warning"):
+        import uvicorn
+
+        self.app = make_app(judge, served_model_name, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+                            max_logprobs=max_logprobs, batching=batching, limits=limits)
+        self.batcher: BatchingJudge = self.app.state.batcher
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only when the listening
+        # socket says TCP; without it every keep-alive response waits ~40 ms for a delayed ACK
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                  socket.IPPROTO_TCP)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(backlog)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level=log_level, access_log=False, lifespan="off", backlog=backlog,
+                                limit_concurrency=max_connections, timeout_keep_alive=30,
+                                timeout_graceful_shutdown=10)
+        self.server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def run(self) -> None:
+        try:
+            self.server.run(sockets=[self.sock])
+        finally:
+            self.batcher.close()
+            self.sock.close()
+
+    def start(self, timeout_s: float = 30.0) -> "JudgeServer":
+        self._thread = threading.Thread(target=self.run, name="judge-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("judge server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "JudgeServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def watch_parent(parent_pid: int, on_exit, interval_s: float = 0.5) -> threading.Thread:
+    """Call ``on_exit()`` once the process ``parent_pid`` is no longer this process's parent
+    (it died and this one was re-parented), checked every ``interval_s``."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        log.warning("parent process %d is gone: shutting down", parent_pid)
+        on_exit()
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m paco.judge.serve", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="paco-serve-judge", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="merged judge directory (reward_merge output) or any judge dir")
     p.add_argument("--served-model-name", required=True, help="the `model` name clients must send")
@@ -491,6 +932,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS, help="largest top_logprobs served")
     p.add_argument("--request-timeout-s", type=float, default=300.0,
                    help="a request not answered within this is dropped from the queue (HTTP 503)")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="request body bound (MiB)")
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="width x height bound per image")
+    p.add_argument("--max-in-flight", type=int, default=256, help="accepted, unanswered requests (503 above)")
+    p.add_argument("--read-timeout-s", type=float, default=30.0, help="longest pause inside a request body (408)")
+    p.add_argument("--stall-s", type=float, default=120.0,
+                   help="/health reports 'stalled' (503) when a forward pass runs longer than this")
+    p.add_argument("--backlog", type=int, default=2048, help="listen backlog")
+    p.add_argument("--max-connections", type=int, default=1024, help="concurrent connections (503 above)")
+    p.add_argument("--parent-pid", type=int, default=0, help="shut down when this process is gone (0: never)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -505,30 +955,28 @@ def main(argv: list[str] | None = None) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     judge = Judge.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=device,
                                   max_model_len=args.max_model_len or None)
-    server = make_server(judge, args.served_model_name, args.host, args.port,
-                         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
-                         max_logprobs=args.max_logprobs, request_timeout_s=args.request_timeout_s,
-                         batching=args.batching)
-    host, port = server.server_address[:2]
-    log.info("serving %s as %r on http://%s:%d/v1 (batching %s, batch <= %d, wait <= %g ms, "
-             "max_model_len %d, torch threads %d)", args.model, args.served_model_name, host, port,
-             server.batcher.batching, args.max_batch_size, args.max_wait_ms, judge.max_model_len,
-             torch.get_num_threads())
+    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), max_image_pixels=args.max_image_pixels,
+                          max_in_flight=args.max_in_flight, read_timeout_s=args.read_timeout_s,
+                          request_timeout_s=args.request_timeout_s, stall_s=args.stall_s)
+    server = JudgeServer(judge, args.served_model_name, args.host, args.port, max_batch_size=args.max_batch_size,
+                         max_wait_ms=args.max_wait_ms, max_logprobs=args.max_logprobs, batching=args.batching,
+                         limits=limits, backlog=args.backlog, max_connections=args.max_connections,
+                         log_level="warning")
+    log.info("serving %s as %r on %s (batching %s, batch <= %d, wait <= %g ms, max_model_len %d, torch threads "
+             "%d)", args.model, args.served_model_name, server.url, server.batcher.batching, args.max_batch_size,
+             args.max_wait_ms, judge.max_model_len, torch.get_num_threads())
     if args.port_file:
         from paco.core.io import atomic_write_bytes
 
-        atomic_write_bytes(args.port_file, str(port).encode())
+        atomic_write_bytes(args.port_file, str(server.port).encode())
+    if args.parent_pid:
+        def _orphaned() -> None:
+            server.server.should_exit = True
+            time.sleep(15)  # graceful shutdown did not finish: leave anyway
+            os._exit(0)
 
-    def _stop(signum: int, frame: Any) -> None:
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    finally:
-        server.batcher.close()  # type: ignore[attr-defined]
-        server.server_close()
+        watch_parent(args.parent_pid, _orphaned)
+    server.run()
     return 0
 
 

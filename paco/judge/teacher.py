@@ -31,13 +31,11 @@ Params (the ``labels.teacher`` section, :class:`paco.core.params.TeacherParams`;
     backend: template          # template | openai | local
     fast: false                # bare "Yes."/"No." targets, no teacher call
     max_reasons: 3             # 1..max_reasons reasons per pair
-    retries: 2                 # extra attempts after the first (transport errors, bad answers)
+    retries: 2                 # re-asks after a wrong answer; openai: also the client's max_retries
     timeout_s: 60              # per HTTP request (openai)
-    backoff_s: 1.0             # first retry delay after a transport error; doubles, capped
-    backoff_max_s: 30.0
     template: {size: 128}      # side (px) both panels are resized to before measuring
     openai:
-      base_url: null           # e.g. http://127.0.0.1:8000/v1 (".../chat/completions" appended)
+      base_url: null           # e.g. http://127.0.0.1:8000/v1
       model: null              # served model name
       api_key_env: null        # NAME of the environment variable holding the key (never the key)
       max_tokens: 256
@@ -58,7 +56,6 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import time
 import urllib.parse
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -70,7 +67,6 @@ from typing import Any, Callable
 import numpy as np
 from PIL import Image
 
-from paco.core.http import PermanentHTTPError, TransientHTTPError, backoff_delay, request_json
 from paco.judge.templates import (
     NO,
     YES,
@@ -718,25 +714,25 @@ class TemplateTeacher(Teacher):
 
 
 class OpenAITeacher(Teacher):
-    """Teacher behind an OpenAI-compatible ``/chat/completions`` endpoint.
+    """Teacher behind an OpenAI-compatible ``/chat/completions`` endpoint, through the official
+    ``openai`` client.
 
     Args:
-        base_url: e.g. ``http://127.0.0.1:8000/v1``; ``/chat/completions`` is appended unless
-            already present. Only ``http``/``https``.
+        base_url: e.g. ``http://127.0.0.1:8000/v1`` or ``https://api.openai.com/v1`` (a trailing
+            ``/chat/completions`` is accepted and dropped). Only ``http``/``https``.
         model: served model name.
-        api_key_env: NAME of the environment variable holding the API key (``None``: no
-            ``Authorization`` header, e.g. a local vLLM).
+        api_key_env: NAME of the environment variable holding the API key (``None``: the
+            placeholder ``EMPTY``, e.g. a local vLLM without ``--api-key``).
         max_tokens, temperature: generation settings of the first try.
         retry_temperature: temperature of re-asks after a wrong or unparsable answer.
         concurrency: parallel requests.
-        timeout_s: per-request timeout.
-        backoff_s, backoff_max_s: delay before retry ``k`` after a transport error is
-            ``min(backoff_s * 2**k, backoff_max_s)``.
-        fast, max_reasons, retries: see :class:`Teacher`.
+        timeout_s: per-request timeout (the client's ``timeout``).
+        fast, max_reasons: see :class:`Teacher`.
+        retries: re-asks after a wrong or unparsable answer, and the client's ``max_retries`` of
+            transport failures (connection errors, timeouts, HTTP 408/409/429/5xx, retried with
+            the client's exponential backoff; other 4xx are not retried).
 
-    Each item is tried at most ``retries + 1`` times; worst case per item is about
-    ``(retries + 1) * timeout_s`` plus the backoff delays. A failed item's ``error`` names the
-    URL and, for HTTP errors, the status.
+    A failed item's ``error`` names the URL, the model and, for HTTP errors, the status.
 
     Raises:
         TeacherConfigError: bad URL, missing model, or ``api_key_env`` names an unset variable.
@@ -746,8 +742,7 @@ class OpenAITeacher(Teacher):
 
     def __init__(self, *, base_url: str | None, model: str | None, api_key_env: str | None = None, max_tokens: int = 256,
                  temperature: float = 0.0, retry_temperature: float = 0.7, concurrency: int = 4,
-                 timeout_s: float = 60.0, backoff_s: float = 1.0, backoff_max_s: float = 30.0,
-                 environ: Mapping[str, str] | None = None, **kw: Any) -> None:
+                 timeout_s: float = 60.0, environ: Mapping[str, str] | None = None, **kw: Any) -> None:
         import os
 
         super().__init__(**kw)
@@ -761,27 +756,31 @@ class OpenAITeacher(Teacher):
             if not model:
                 raise TeacherConfigError("openai.model is required")
         base = (base_url or "").rstrip("/")
-        self.url = base if base.endswith("/chat/completions") else base + "/chat/completions"
+        self.base_url = base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base
+        self.url = self.base_url + "/chat/completions"
         self.model = str(model) if model else None
         self.api_key_env = api_key_env or None
         env = os.environ if environ is None else environ
-        self._api_key: str | None = None
+        api_key: str | None = None
         if self.api_key_env and not self.fast:
-            key = env.get(self.api_key_env)
-            if not key:
+            api_key = env.get(self.api_key_env)
+            if not api_key:
                 raise TeacherConfigError(
                     f"openai.api_key_env names the environment variable {self.api_key_env!r}, which is not set"
                 )
-            self._api_key = key
         self.max_tokens = int(max_tokens)
         self.temperature = float(temperature)
         self.retry_temperature = float(retry_temperature)
         self.concurrency = max(1, int(concurrency))
         self.timeout_s = float(timeout_s)
-        self.backoff_s = float(backoff_s)
-        self.backoff_max_s = float(backoff_max_s)
-        if self.timeout_s <= 0 or self.backoff_s < 0 or self.max_tokens < 1:
-            raise TeacherConfigError("openai: timeout_s must be > 0, backoff_s >= 0, max_tokens >= 1")
+        if self.timeout_s <= 0 or self.max_tokens < 1:
+            raise TeacherConfigError("openai: timeout_s must be > 0, max_tokens >= 1")
+        self._client = None
+        if self.base_url:
+            from openai import OpenAI
+
+            self._client = OpenAI(base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=self.retries,
+                                  timeout=self.timeout_s)
 
     def __repr__(self) -> str:  # never show the key
         return f"OpenAITeacher(url={self.url!r}, model={self.model!r}, api_key_env={self.api_key_env!r})"
@@ -789,17 +788,24 @@ class OpenAITeacher(Teacher):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": self.url, "model": self.model, "api_key_env": self.api_key_env}
 
-    def _post(self, payload: dict[str, Any]) -> str:
-        obj = request_json(self.url, payload, timeout_s=self.timeout_s, api_key=self._api_key)
+    def _post(self, messages: list[dict[str, Any]], temperature: float) -> str:
+        """The reply's text.
+
+        Raises:
+            openai.OpenAIError: after the client's retries.
+            ValueError: a reply without text content.
+        """
         try:
-            content = obj["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError):
-            raise TransientHTTPError(f"malformed response from {self.url}: {str(obj)[:200]}", url=self.url) from None
-        if isinstance(content, list):  # content parts
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            completion = self._client.chat.completions.create(model=self.model, messages=messages,
+                                                              max_tokens=self.max_tokens, temperature=temperature)
+        except ValueError as exc:  # a body that is not JSON
+            raise ValueError(f"malformed response from {self.url}: {exc}") from None
+        try:
+            content = completion.choices[0].message.content
+        except (AttributeError, IndexError, TypeError):
+            raise ValueError(f"malformed response from {self.url}: {str(completion)[:200]}") from None
         if not isinstance(content, str):
-            raise TransientHTTPError(f"malformed response from {self.url}: content is {type(content).__name__}",
-                                     url=self.url)
+            raise ValueError(f"malformed response from {self.url}: content is {type(content).__name__}")
         return content
 
     def _one(self, item: PairItem) -> TeacherResult:
@@ -808,28 +814,34 @@ class OpenAITeacher(Teacher):
         except Exception as e:  # noqa: BLE001 - an unexpected error fails the item, recorded
             return self._fail(item, f"openai teacher {self.url}: {type(e).__name__}: {e}", 0)
 
+    def _transport_error(self, exc: Exception) -> str:
+        import openai
+
+        where = f"{self.url} (model {self.model!r})"
+        if isinstance(exc, openai.APIStatusError):
+            body = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else None
+            detail = body.get("message") if isinstance(body, dict) else None
+            return f"HTTP {exc.status_code} from {where}: {detail or exc.message}"
+        if isinstance(exc, openai.APITimeoutError):
+            return f"timeout after {self.timeout_s:g}s from {where}"
+        return f"cannot reach {where}: {type(exc).__name__}: {exc.__cause__ or exc}"
+
     def _one_unguarded(self, item: PairItem) -> TeacherResult:
+        import openai
+
         messages = build_openai_messages(png_bytes(item.image_a), png_bytes(item.image_b), self.prompt(item))
         attempts, last_err, raw = 0, "no attempt made", None
         bad_answer = False
-        transport_failures = 0
-        for attempt in range(self.retries + 1):
+        for _ in range(self.retries + 1):
             attempts += 1
-            payload = {
-                "model": self.model,
-                "messages": messages,
-                "max_tokens": self.max_tokens,
-                "temperature": self.retry_temperature if bad_answer else self.temperature,
-            }
             try:
-                raw = self._post(payload)
-            except PermanentHTTPError as e:
-                return self._fail(item, f"{e} (attempt {attempts}, not retried)", attempts, raw)
-            except TransientHTTPError as e:
+                raw = self._post(messages, self.retry_temperature if bad_answer else self.temperature)
+            except openai.OpenAIError as e:  # the client already retried what is worth retrying
+                return self._fail(item, f"{self._transport_error(e)} (attempt {attempts}, after the client's "
+                                        f"{self.retries} retries)", attempts, raw)
+            except ValueError as e:
                 last_err = str(e)
-                if attempt < self.retries:
-                    time.sleep(backoff_delay(transport_failures + 1, self.backoff_s, self.backoff_max_s))
-                transport_failures += 1
+                bad_answer = True
                 continue
             reasons, err = validate_answer(raw, item.label, self.max_reasons)
             if err is None:
@@ -999,8 +1011,7 @@ def make_teacher(cfg: Any = None, **overrides: Any) -> Teacher:
         return OpenAITeacher(base_url=o["base_url"], model=o["model"], api_key_env=o["api_key_env"],
                              max_tokens=o["max_tokens"], temperature=o["temperature"],
                              retry_temperature=o["retry_temperature"], concurrency=o["concurrency"],
-                             timeout_s=c["timeout_s"], backoff_s=c["backoff_s"],
-                             backoff_max_s=c["backoff_max_s"], **common)
+                             timeout_s=c["timeout_s"], **common)
     if backend == "local":
         lo = c["local"]
         return LocalTeacher(model_dir=lo["model_dir"], batch_size=lo["batch_size"],

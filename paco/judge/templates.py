@@ -444,14 +444,19 @@ def image_data_url(data: bytes) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
-def png_bytes(image: Image.Image) -> bytes:
-    """Encode a PIL image as PNG (RGB or RGBA kept, other modes converted to RGB)."""
+def png_bytes(image: Image.Image, compress_level: int = 1) -> bytes:
+    """Encode a PIL image as PNG (RGB, RGBA and L kept, other modes converted to RGB).
+
+    ``compress_level`` 1 (zlib's fastest): lossless like any level, about 4x faster to encode
+    than Pillow's default 6 for ~10% more bytes (a 128 px panel: 1.0 vs 3.8 ms), which matters
+    because every judge request carries two images encoded on the trainer's CPU.
+    """
     if not isinstance(image, Image.Image):
         raise TypeError(f"expected a PIL image, got {type(image).__name__}")
     if image.mode not in ("RGB", "RGBA", "L"):
         image = image.convert("RGB")
     buf = io.BytesIO()
-    image.save(buf, format="PNG")
+    image.save(buf, format="PNG", compress_level=compress_level)
     return buf.getvalue()
 
 
