@@ -9,7 +9,9 @@ only at the start and the end, outside the per-epoch figures), the real rewards 
 prompts default to a finished ``dvc repro``'s outputs; ``--build`` builds the tiny models and a
 prompt table in a temp dir instead (the base judge then stands in for the merged one). Prints
 seconds per epoch split into sampling, rewards and the policy update, and the ratio between the
-two resolutions. Figures only: nothing here asserts on speed.
+two resolutions, each with the served rewards scored after sampling and overlapped with it
+(``rollout.overlap_rewards``), and whether the two give the same LoRA bytes. Figures only:
+nothing here asserts on speed.
 """
 
 from __future__ import annotations
@@ -73,24 +75,35 @@ def main() -> None:
             client = JudgeClient(url, judge["served_model_name"], concurrency=judge["concurrency"], top_logprobs=top)
             ctx = RewardContext(judge=client, clip=ClipScorer(args.models / "clip"), instruction=judge["instruction"])
             for res in args.resolutions:
-                raw = params["grpo"]["t2is"]
-                raw = {**raw, "epochs": args.epochs, "train": {**raw["train"], "resolution": res},
-                       "eval": {**raw["eval"], "every": 10_000}}
-                cfg = GrpoSubtaskParams.model_validate(raw)
-                t0 = time.perf_counter()
-                identity = params_identity("grpo@t2is", {"grpo.t2is": cfg.model_dump(mode="json"),
-                                                         "judge_endpoint": judge, "subfigures": params["subfigures"]})
-                m = train_grpo(cfg, prompts, args.models / "policy_t2is", ctx, identity=identity, lora_dir=None,
-                               checkpoints_dir=Path(tmp) / f"ck{res}")["report"]
-                wall = time.perf_counter() - t0
-                s = m["seconds"]
-                per = {k: s[k] / args.epochs for k in ("rollout", "reward", "train")}
-                results[res] = sum(per.values())
-                print(f"train resolution {res:5d}px: {results[res]:6.2f} s/epoch  (rollouts {per['rollout']:.2f}, "
-                      f"rewards {per['reward']:.2f}, update {per['train']:.2f}; {m['trajectories_per_epoch']} "
-                      f"trajectories/epoch; wall {wall:.1f} s incl. setup and the first and final eval)", flush=True)
+                loras = []
+                for overlap in (False, True):
+                    raw = params["grpo"]["t2is"]
+                    raw = {**raw, "epochs": args.epochs, "train": {**raw["train"], "resolution": res},
+                           "eval": {**raw["eval"], "every": 10_000},
+                           "rollout": {**raw["rollout"], "overlap_rewards": overlap}}
+                    cfg = GrpoSubtaskParams.model_validate(raw)
+                    t0 = time.perf_counter()
+                    identity = params_identity("grpo@t2is", {"grpo.t2is": cfg.model_dump(mode="json"),
+                                                             "judge_endpoint": judge,
+                                                             "subfigures": params["subfigures"]})
+                    lora = Path(tmp) / f"lora{res}-{overlap}"
+                    m = train_grpo(cfg, prompts, args.models / "policy_t2is", ctx, identity=identity, lora_dir=lora,
+                                   checkpoints_dir=Path(tmp) / f"ck{res}-{overlap}")["report"]
+                    wall = time.perf_counter() - t0
+                    loras.append((lora / "pytorch_lora_weights.safetensors").read_bytes())
+                    s = m["seconds"]
+                    per = {k: s[k] / args.epochs for k in ("rollout", "reward", "train")}
+                    results[res, overlap] = sum(per.values())
+                    print(f"train resolution {res:5d}px, overlap {'on ' if overlap else 'off'}: "
+                          f"{results[res, overlap]:6.2f} s/epoch  (rollouts {per['rollout']:.2f}, waiting for rewards "
+                          f"{per['reward']:.2f} = {per['reward'] / results[res, overlap]:.0%}, update "
+                          f"{per['train']:.2f}; {m['trajectories_per_epoch']} trajectories/epoch; wall {wall:.1f} s "
+                          "incl. setup and the first and final eval)", flush=True)
+                print(f"  LoRA with and without overlap: {'bit-identical' if loras[0] == loras[1] else 'DIFFERENT'}")
         lo, hi = args.resolutions
-        print(f"epoch cost {hi}px / {lo}px: {results[hi] / results[lo]:.2f}x")
+        for overlap in (False, True):
+            print(f"epoch cost {hi}px / {lo}px, overlap {'on' if overlap else 'off'}: "
+                  f"{results[hi, overlap] / results[lo, overlap]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ def main() -> None:
                 h1 = conc.health()
                 diff = max(abs(x - y) for x, y in zip(alone, together, strict=True))
                 print(f"served {mode:10s} 1 in flight: {s1:7.1f} pairs/s   {args.batch} in flight: {s2:7.1f} "
-                      f"pairs/s ({s2 / s1:.1f}x; {h1['requests'] - h0['requests']} requests in "
+                      f"pairs/s ({s2 / s1:.1f}x one in flight, {s2 / batched:.2f}x in process batch {args.batch}; "
+                      f"{h1['requests'] - h0['requests']} requests in "
                       f"{h1['forward_passes'] - h0['forward_passes']} forward passes, largest {h1['max_batch']}); "
                       f"scores {'bit-identical' if alone == together else f'differ by up to {diff:.2e}'} "
                       f"batched vs alone")

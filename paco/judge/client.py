@@ -323,26 +323,56 @@ class JudgeClient:
             return list(pool.map(one, triples))
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the child gets SIGTERM when the thread that started it exits (PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
 class LocalJudgeServer:
-    """Run ``python -m paco.judge.serve`` on a free localhost port for the duration of a ``with``.
+    """Run a judge server on a free localhost port for the duration of a ``with``: ``python -m
+    paco.judge.serve`` (``engine="paco"``), or ``vllm serve`` (``engine="vllm"``, the ``[gpu]``
+    extra, a CUDA device; its batching, dtype handling and kernels are vLLM's own).
 
     ``__enter__`` starts the process, waits until ``/health`` answers (or the process dies, or
     ``startup_timeout_s`` passes), checks that ``/v1/models`` lists ``served_model_name``, and
     returns the base URL (``http://127.0.0.1:<port>/v1``). ``__exit__`` stops it (SIGTERM, then
     SIGKILL after 10 s). The server is started with ``--parent-pid`` of this process, so it also
-    shuts down when this process dies without reaching ``__exit__`` (SIGKILL, OOM kill). The server's log goes to ``log_path`` (default: a temp file), whose tail
-    is quoted if it fails to start. ``batching`` and ``max_model_len`` are the server's
+    shuts down when this process dies without reaching ``__exit__`` (SIGKILL, OOM kill). The
+    server's log goes to ``log_path`` (default: a temp file), whose tail is quoted if it fails
+    to start. ``batching`` and ``max_model_len`` are the server's
     ``--batching`` (default ``auto``: batch-invariant, see :mod:`paco.judge.serve`) and
-    ``--max-model-len`` (``None``: the model's ``max_position_embeddings``).
+    ``--max-model-len`` (``None``: the model's ``max_position_embeddings``). With ``engine="vllm"``
+    only ``max_logprobs``, ``dtype`` and ``max_model_len`` are passed on; readiness is
+    ``/v1/models`` listing the name, and the server gets SIGTERM when this process's thread that
+    started it exits (Linux ``PR_SET_PDEATHSIG``).
 
     Raises:
         JudgeError: the server did not come up or serves another name.
+        ValueError: an unknown engine.
     """
 
     def __init__(self, model_dir: str | os.PathLike[str], served_model_name: str, *, max_batch_size: int = 16,
                  max_wait_ms: float = 10.0, threads: int = 0, startup_timeout_s: float = 120.0,
                  log_path: str | os.PathLike[str] | None = None, device: str = "auto", dtype: str = "float32",
-                 max_logprobs: int = 20, batching: str = "auto", max_model_len: int | None = None):
+                 max_logprobs: int = 20, batching: str = "auto", max_model_len: int | None = None,
+                 engine: str = "paco"):
+        if engine not in ("paco", "vllm"):
+            raise ValueError(f"engine must be 'paco' or 'vllm', got {engine!r}")
+        self.engine = engine
         self.model_dir = Path(model_dir)
         self.served_model_name = served_model_name
         self.max_batch_size = max_batch_size
@@ -370,17 +400,29 @@ class LocalJudgeServer:
         port_file = Path(self._tmp.name) / "port"
         self._log_file = self.log_path or Path(self._tmp.name) / "server.log"
         self._log_file.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "paco.judge.serve", "--model", str(self.model_dir),
-               "--served-model-name", self.served_model_name, "--host", "127.0.0.1", "--port", "0",
-               "--port-file", str(port_file), "--max-batch-size", str(self.max_batch_size),
-               "--max-wait-ms", str(self.max_wait_ms), "--threads", str(self.threads), "--device", self.device,
-               "--dtype", self.dtype, "--max-logprobs", str(self.max_logprobs), "--batching", self.batching,
-               "--max-model-len", str(self.max_model_len or 0), "--parent-pid", str(os.getpid())]
+        preexec = None
+        if self.engine == "vllm":
+            port = _free_port()
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                   "--served-model-name", self.served_model_name, "--host", "127.0.0.1", "--port", str(port),
+                   "--max-logprobs", str(self.max_logprobs), "--dtype", self.dtype, "--seed", "0"]
+            if self.max_model_len:
+                cmd += ["--max-model-len", str(self.max_model_len)]
+            preexec = _die_with_parent if sys.platform.startswith("linux") else None
+            port_file.write_text(str(port))
+        else:
+            cmd = [sys.executable, "-m", "paco.judge.serve", "--model", str(self.model_dir),
+                   "--served-model-name", self.served_model_name, "--host", "127.0.0.1", "--port", "0",
+                   "--port-file", str(port_file), "--max-batch-size", str(self.max_batch_size),
+                   "--max-wait-ms", str(self.max_wait_ms), "--threads", str(self.threads), "--device", self.device,
+                   "--dtype", self.dtype, "--max-logprobs", str(self.max_logprobs), "--batching", self.batching,
+                   "--max-model-len", str(self.max_model_len or 0), "--parent-pid", str(os.getpid())]
         # OpenMP threads that busy-wait between the server's small forward passes would steal the
         # cores the trainer needs (and the other way round): make them sleep when idle.
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         with open(self._log_file, "ab") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         preexec_fn=preexec)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -392,7 +434,10 @@ class LocalJudgeServer:
                 self.url = f"http://127.0.0.1:{int(port_file.read_text())}/v1"
                 client = JudgeClient(self.url, self.served_model_name, retries=0, timeout_s=5.0)
                 try:
-                    if client.health().get("status") == "ok":
+                    if self.engine == "vllm":
+                        if self.served_model_name in client.served_models():
+                            break
+                    elif client.health().get("status") == "ok":
                         break
                 except JudgeError:
                     pass
