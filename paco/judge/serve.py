@@ -107,7 +107,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -116,7 +116,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paco.core.io import ImageDecodeError, decode_image
@@ -211,6 +210,8 @@ class ServerLimits:
         stall_s: a forward pass running longer than this makes ``/health`` report ``stalled``.
         feature_cache_bytes: bound on the per-image feature cache (:class:`ImageFeatureCache`);
             a quarter of it again bounds the decoded-image cache. 0 disables both.
+        prepare_threads: threads reading, decoding and encoding requests (each holds a copy of
+            the tokenizer).
     """
 
     max_body_bytes: int = 32 << 20
@@ -220,6 +221,7 @@ class ServerLimits:
     request_timeout_s: float = 300.0
     stall_s: float = 120.0
     feature_cache_bytes: int = 512 << 20
+    prepare_threads: int = 4
 
 
 @dataclass
@@ -736,6 +738,9 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
     app = FastAPI(title="PaCo-Reward judge", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batcher = batcher
     app.state.limits = limits
+    # request preparation (decode, processor) on its own bounded pool: each of its threads holds
+    # a copy of the tokenizer
+    app.state.prepare_pool = ThreadPoolExecutor(max_workers=limits.prepare_threads, thread_name_prefix="prepare")
     stats = {"in_flight": 0, "rejected": 0, "next_id": 1}
 
     def error(status: int, message: str) -> JSONResponse:
@@ -796,7 +801,8 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
         try:
             try:
                 body = await read_body(request)
-                triple, top_k, inputs = await run_in_threadpool(prepare, body)
+                triple, top_k, inputs = await asyncio.get_running_loop().run_in_executor(
+                    app.state.prepare_pool, prepare, body)
             except _ReadTimeout:
                 stats["rejected"] += 1
                 return error(408, f"request body not received within {limits.read_timeout_s:g} s")
@@ -808,6 +814,9 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
                     batcher.refused += 1
                 prefix = "" if isinstance(exc, JudgeContextError) else "judge cannot score this input: "
                 return error(400, f"{prefix}{exc}")
+            except Exception as exc:  # noqa: BLE001 - reported to the client as a 500
+                log.exception("preparing a request failed")
+                return error(500, f"judge failed to prepare the request: {type(exc).__name__}: {exc}")
             future = batcher.submit(triple, top_k, inputs)
             try:
                 result = await asyncio.wait_for(asyncio.wrap_future(future), timeout=limits.request_timeout_s)
@@ -874,6 +883,7 @@ class JudgeServer:
             self.server.run(sockets=[self.sock])
         finally:
             self.batcher.close()
+            self.app.state.prepare_pool.shutdown(wait=False, cancel_futures=True)
             self.sock.close()
 
     def start(self, timeout_s: float = 30.0) -> "JudgeServer":
@@ -938,6 +948,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-timeout-s", type=float, default=30.0, help="longest pause inside a request body (408)")
     p.add_argument("--stall-s", type=float, default=120.0,
                    help="/health reports 'stalled' (503) when a forward pass runs longer than this")
+    p.add_argument("--prepare-threads", type=int, default=4,
+                   help="threads decoding and encoding requests beside the model's worker thread")
     p.add_argument("--backlog", type=int, default=2048, help="listen backlog")
     p.add_argument("--max-connections", type=int, default=1024, help="concurrent connections (503 above)")
     p.add_argument("--parent-pid", type=int, default=0, help="shut down when this process is gone (0: never)")
@@ -957,7 +969,8 @@ def main(argv: list[str] | None = None) -> int:
                                   max_model_len=args.max_model_len or None)
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), max_image_pixels=args.max_image_pixels,
                           max_in_flight=args.max_in_flight, read_timeout_s=args.read_timeout_s,
-                          request_timeout_s=args.request_timeout_s, stall_s=args.stall_s)
+                          request_timeout_s=args.request_timeout_s, stall_s=args.stall_s,
+                          prepare_threads=args.prepare_threads)
     server = JudgeServer(judge, args.served_model_name, args.host, args.port, max_batch_size=args.max_batch_size,
                          max_wait_ms=args.max_wait_ms, max_logprobs=args.max_logprobs, batching=args.batching,
                          limits=limits, backlog=args.backlog, max_connections=args.max_connections,
