@@ -139,6 +139,9 @@ def run(
         format="%(asctime)s %(levelname)s [%(name)s] %(message)s",
         stream=sys.stderr,
     )
+    # the HTTP clients log every request at INFO (thousands per GRPO epoch): only their problems
+    for noisy in ("httpx", "httpx2", "httpcore", "openai"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     t0 = time.perf_counter()
     try:
         params = load_params(args.params)
