@@ -37,7 +37,8 @@ model, so the worker does nothing but forward passes and the CPU-bound preparati
 requests overlaps them.
 
 Batching (``--batching``): the worker takes the first waiting request, then keeps taking
-requests until ``max_batch_size`` are collected or ``max_wait_ms`` have passed since the first.
+requests until ``max_batch_size`` are collected or ``max_wait_ms`` have passed since the first,
+or no other request is being read or prepared (a lone request is not kept waiting).
 What it does with them depends on the mode:
 
 * ``same_shape``: requests whose encodings have identical shapes (token count, image grids,
@@ -290,6 +291,8 @@ class BatchingJudge:
         self.isolated_batches = 0  # batches whose forward pass failed and were rescored one by one
         self.refused = 0  # requests whose input the judge refused (too long, processor error)
         self.busy_since: float | None = None  # monotonic start of the round being computed
+        self.preparing = 0  # requests a server is preparing (see arriving)
+        self.track_arrivals = False
         self._lock = threading.Lock()
         self._token_text: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name="judge-batcher", daemon=True)
@@ -319,15 +322,29 @@ class BatchingJudge:
             self._token_text[token_id] = self.tokenizer.decode([token_id])
         return self._token_text[token_id]
 
+    def arriving(self, n: int) -> None:
+        """A request starts (``+1``) or ends (``-1``) its preparation before :meth:`submit`; with
+        any counted, :meth:`_collect` stops waiting for company as soon as none is on its way."""
+        with self._lock:
+            self.preparing += n
+            self.track_arrivals = True
+
     def _collect(self, first: _Item) -> tuple[list[_Item], bool]:
         batch, stop = [first], False
         # single: nothing is gained by waiting for company, take only what is already queued
         deadline = time.monotonic() + (0.0 if self.batching == "single" else self.max_wait_s)
         while len(batch) < self.max_batch_size:
             remaining = deadline - time.monotonic()
+            if remaining > 0 and self.track_arrivals:
+                # a server knows what is coming: wait only while a request is being prepared
+                if self.queue.empty() and self.preparing == 0:
+                    break
+                remaining = min(remaining, 0.001)
             try:
-                item = self.queue.get(timeout=max(remaining, 0.0)) if remaining > 0 else self.queue.get_nowait()
+                item = self.queue.get(timeout=remaining) if remaining > 0 else self.queue.get_nowait()
             except queue.Empty:
+                if self.track_arrivals and deadline - time.monotonic() > 0:
+                    continue
                 break
             if item is None:
                 stop = True
@@ -798,6 +815,8 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
             return error(503, f"overloaded: {stats['in_flight']} requests in flight (--max-in-flight "
                               f"{limits.max_in_flight}); retry later")
         stats["in_flight"] += 1
+        batcher.arriving(+1)
+        arriving = True
         try:
             try:
                 body = await read_body(request)
@@ -818,6 +837,8 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
                 log.exception("preparing a request failed")
                 return error(500, f"judge failed to prepare the request: {type(exc).__name__}: {exc}")
             future = batcher.submit(triple, top_k, inputs)
+            batcher.arriving(-1)
+            arriving = False
             try:
                 result = await asyncio.wait_for(asyncio.wrap_future(future), timeout=limits.request_timeout_s)
             except asyncio.TimeoutError:
@@ -833,6 +854,8 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
             return JSONResponse(completion_response(batcher, served_model_name, result, rid))
         finally:
             stats["in_flight"] -= 1
+            if arriving:
+                batcher.arriving(-1)
 
     return app
 
