@@ -82,6 +82,7 @@ def main() -> None:
                            "eval": {**raw["eval"], "every": 10_000},
                            "rollout": {**raw["rollout"], "overlap_rewards": overlap}}
                     cfg = GrpoSubtaskParams.model_validate(raw)
+                    h0 = client.health()
                     t0 = time.perf_counter()
                     identity = params_identity("grpo@t2is", {"grpo.t2is": cfg.model_dump(mode="json"),
                                                              "judge_endpoint": judge,
@@ -90,6 +91,7 @@ def main() -> None:
                     m = train_grpo(cfg, prompts, args.models / "policy_t2is", ctx, identity=identity, lora_dir=lora,
                                    checkpoints_dir=Path(tmp) / f"ck{res}-{overlap}")["report"]
                     wall = time.perf_counter() - t0
+                    h1 = client.health()
                     loras.append((lora / "pytorch_lora_weights.safetensors").read_bytes())
                     s = m["seconds"]
                     per = {k: s[k] / args.epochs for k in ("rollout", "reward", "train")}
@@ -98,7 +100,8 @@ def main() -> None:
                           f"{results[res, overlap]:6.2f} s/epoch  (rollouts {per['rollout']:.2f}, waiting for rewards "
                           f"{per['reward']:.2f} = {per['reward'] / results[res, overlap]:.0%}, update "
                           f"{per['train']:.2f}; {m['trajectories_per_epoch']} trajectories/epoch; wall {wall:.1f} s "
-                          "incl. setup and the first and final eval)", flush=True)
+                          f"incl. setup and the first and final eval; judge: {h1['requests'] - h0['requests']} requests "
+                          f"in {h1['forward_passes'] - h0['forward_passes']} forward passes)", flush=True)
                 print(f"  LoRA with and without overlap: {'bit-identical' if loras[0] == loras[1] else 'DIFFERENT'}")
         lo, hi = args.resolutions
         for overlap in (False, True):
