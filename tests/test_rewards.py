@@ -87,3 +87,72 @@ def test_reward_errors_are_raised_not_defaulted():
     with pytest.raises(RewardError, match="consistency.*nan.*prompt a"):
         compute_rewards(["consistency"], [grid], [_prompt("a", 2, 2)], RewardContext(judge=NanJudge()))
     assert {"consistency", "clip_t", "pickscore"} <= set(REWARDS)
+
+
+def test_editing_reward_from_hand_made_logprobs_through_the_official_client():
+    """consistency_for_editing = sqrt(P_SC * P_PF), each P = P(Yes)/(P(Yes)+P(No)) of the first
+    token, computed here independently from the log-probs an OpenAI-compatible stub serves for
+    the SC and the PF question; the original image is sent first, the edit second."""
+    import base64
+    import io
+    import json
+    import math
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from paco.judge.client import JudgeClient
+
+    logprobs = {"sc": {"Yes": -0.3, "No": -1.5, "Maybe": -2.0}, "pf": {"Yes": -1.2, "No": -0.4, "yes": -3.0}}
+    original = Image.new("RGB", (24, 24), (200, 10, 10))
+    edited = Image.new("RGB", (24, 24), (10, 10, 200))
+    seen: list[tuple[str, tuple, tuple]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            content = body["messages"][0]["content"]
+            first, second = (Image.open(io.BytesIO(base64.b64decode(c["image_url"]["url"].split(",", 1)[1])))
+                             .convert("RGB").getpixel((0, 0)) for c in content[:2])
+            text = content[2]["text"]
+            kind = "sc" if "remain consistent" in text else "pf" if "accurately follow" in text else "?"
+            seen.append((kind, first, second))
+            top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in logprobs[kind].items()]
+            reply = {"id": "x", "object": "chat.completion", "created": 0, "model": "judge",
+                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "Yes"},
+                                  "logprobs": {"content": [{"token": "Yes", "logprob": -0.3, "bytes": [89, 101, 115],
+                                                            "top_logprobs": top}]},
+                                  "finish_reason": "length"}]}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = JudgeClient(f"http://127.0.0.1:{httpd.server_address[1]}/v1", "judge", retries=0)
+        prompt = PromptInfo("e1", "make the car blue", "", 1, 1, (), reference=original)
+        got = compute_rewards(["consistency_for_editing"], [edited], [prompt], RewardContext(judge=client))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+    def p_yes(lp):
+        return math.exp(lp["Yes"]) / (math.exp(lp["Yes"]) + math.exp(lp["No"]))
+
+    expected = math.sqrt(p_yes(logprobs["sc"]) * p_yes(logprobs["pf"]))
+    assert got["consistency_for_editing"][0] == pytest.approx(expected, rel=1e-12)
+    assert sorted(k for k, _, _ in seen) == ["pf", "sc"]
+    assert all(first == (200, 10, 10) and second == (10, 10, 200) for _, first, second in seen)
+
+
+def test_editing_reward_needs_the_input_image():
+    prompt = PromptInfo("e1", "make it blue", "", 1, 1, ())
+    with pytest.raises(RewardError, match="no reference"):
+        compute_rewards(["consistency_for_editing"], [Image.new("RGB", (8, 8))], [prompt],
+                        RewardContext(judge=RecordingJudge()))

@@ -15,6 +15,12 @@ clip_t         mean over panels of the CLIP cosine between panel ``k`` and its o
 pickscore      CLIP score of the whole grid against the whole prompt, ``logit_scale * cosine /
                26`` (the reference's ``pickscore_scorer.py`` divides by 26 "to 0-1"); here the
                pipeline's ``clip`` model stands in for PickScore_v1.
+consistency_   image editing: ``sqrt(P_SC * P_PF)``, the served judge's P(Yes) for the original
+for_editing    image (first) and the edited one (second) under the semantic-consistency question
+               (``edit_sc``) and the prompt-following question (``edit_pf``) with the edit
+               instruction (paper §7; reference ``consistency_for_editing.py``:
+               ``math.sqrt(consistency_score * prompt_following_score)``). The original is the
+               prompt's ``reference`` image. In [0, 1].
 =============  ===================================================================================
 
 A reward function never hides a failure: an unreachable judge raises
@@ -33,7 +39,7 @@ import numpy as np
 from PIL import Image
 
 from paco.data.subfigures import crop_panels, split_grid
-from paco.judge.templates import judge_instruction
+from paco.judge.templates import get_template, judge_instruction
 
 #: The reference's PickScore normaliser ("norm to 0-1": ``scores / 26``).
 PICKSCORE_SCALE = 26.0
@@ -45,7 +51,8 @@ class RewardError(RuntimeError):
 
 @dataclass(frozen=True)
 class PromptInfo:
-    """What the rewards need of a T2IS prompt (a ``prompts.parquet`` row)."""
+    """What the rewards need of a prompt: a T2IS prompt (a ``prompts.parquet`` row), or an edit
+    (``prompt`` the instruction, ``reference`` the input image, a 1x1 layout)."""
 
     prompt_id: str
     prompt: str
@@ -53,6 +60,7 @@ class PromptInfo:
     rows: int
     cols: int
     panel_prompts: tuple[str, ...]
+    reference: Image.Image | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> PromptInfo:
@@ -138,6 +146,48 @@ def consistency(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ct
     if scores.shape != (len(triples),):
         raise RewardError(f"consistency: the judge returned {scores.shape} scores for {len(triples)} pairs")
     return np.bincount(owner, weights=scores, minlength=len(images)) / np.bincount(owner, minlength=len(images))
+
+
+def editing_scores(judge: Any, originals: Sequence[Image.Image], edited: Sequence[Image.Image],
+                   instructions: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(P_SC, P_PF, sqrt(P_SC * P_PF))`` per edit, each ``(n,)`` float64 in [0, 1].
+
+    The judge sees the original first and the edited image second, once with the ``edit_sc``
+    question and once with ``edit_pf`` (:mod:`paco.judge.templates`), both carrying the
+    instruction; one ``judge.score`` call scores all ``2n`` requests (SC of every edit, then PF).
+    Source: paper §7; X-GenGroup/PaCo-RL ``consistency_for_editing.py``.
+
+    Raises:
+        ValueError: the three sequences differ in length.
+        RewardError: the judge returned the wrong number of scores.
+        paco.judge.client.JudgeError: the judge failed (never a default score).
+    """
+    if not len(originals) == len(edited) == len(instructions):
+        raise ValueError(f"{len(originals)} originals, {len(edited)} edits, {len(instructions)} instructions")
+    sc, pf = get_template("edit_sc"), get_template("edit_pf")
+    triples = ([(o, e, sc.format(prompt=t)) for o, e, t in zip(originals, edited, instructions, strict=True)]
+               + [(o, e, pf.format(prompt=t)) for o, e, t in zip(originals, edited, instructions, strict=True)])
+    scores = np.asarray(judge.score(triples), dtype=np.float64) if triples else np.zeros(0)
+    if scores.shape != (len(triples),):
+        raise RewardError(f"consistency_for_editing: the judge returned {scores.shape} scores for "
+                          f"{len(triples)} requests")
+    n = len(originals)
+    p_sc, p_pf = scores[:n], scores[n:]
+    return p_sc, p_pf, np.sqrt(p_sc * p_pf)
+
+
+@register("consistency_for_editing", served=True)
+def consistency_for_editing(images: Sequence[Image.Image], prompts: Sequence[PromptInfo],
+                            ctx: RewardContext) -> np.ndarray:
+    """The editing reward ``sqrt(P_SC * P_PF)`` of each edited image against its prompt's
+    ``reference`` (:func:`editing_scores`); ``(n,)`` float64 in [0, 1].
+
+    Raises :class:`RewardError` for a prompt without a reference image."""
+    judge = _need(ctx.judge, "judge", "consistency_for_editing")
+    missing = [p.prompt_id for p in prompts if p.reference is None]
+    if missing:
+        raise RewardError(f"consistency_for_editing: prompts {missing[:5]} have no reference (input) image")
+    return editing_scores(judge, [p.reference for p in prompts], list(images), [p.prompt for p in prompts])[2]
 
 
 @register("clip_t")
