@@ -126,8 +126,9 @@ def test_dvc_and_snakemake_have_the_same_edges():
     assert dvc == smk
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     names = {m.rule_name for s in registry.STAGES for m in s.members(params)}
-    # every stage is on an edge but params_check, which stands alone (it only validates the file)
-    assert {n for e in dvc for n in e} == names - {"params_check"}
+    # every stage is on an edge but params_check, which stands alone (it only validates the file),
+    # and edits, whose consumers (the editing subtasks' GRPO stages, issue 10) do not exist yet
+    assert {n for e in dvc for n in e} == names - {"params_check", "edits"}
     assert {"grpo_t2is", "final_samples_t2is"} <= names
 
 

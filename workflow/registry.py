@@ -325,6 +325,18 @@ STAGES: tuple[Stage, ...] = (
         metrics=(_d("prompts", "metrics.json"),),
     ),
     Stage(
+        name="edits",
+        args=(
+            ("--import-path", "${edits.import.path}"),
+            ("--out", _d("edits", "edits.parquet")),
+            ("--metrics", _d("edits", "metrics.json")),
+        ),
+        deps=(Dep("${edits.import.path}", "edits.source", ("import",)),),
+        params=("edits",),
+        outs=(_d("edits", "edits.parquet"),),
+        metrics=(_d("edits", "metrics.json"),),
+    ),
+    Stage(
         name="composites",
         args=(
             ("--prompts", _d("prompts", "prompts.parquet")),

@@ -94,6 +94,56 @@ class PromptsParams(_Section):
 
 
 # --------------------------------------------------------------------------------------------
+# edits (the editing subtasks' items)
+# --------------------------------------------------------------------------------------------
+
+
+class EditPhotosParams(_Section):
+    """The embedded default's edits of the shipped photographs (:mod:`paco.data.edits`)."""
+
+    subjects: list[str] = Field(default_factory=lambda: ["astronaut", "cat", "coffee", "rocket", "grace_hopper",
+                                                         "motorcycle"])
+    operations: list[str] = Field(default_factory=lambda: ["greyscale", "mirror", "posterise", "warm_cast",
+                                                           "cool_cast", "zoom", "replace_subject"])
+    size: int = Field(128, ge=16, le=2048, description="side of the square input view (px)")
+    test_photos: int = Field(2, ge=1, description="photographs whose items are the test split")
+
+    @model_validator(mode="after")
+    def _known(self) -> EditPhotosParams:
+        from paco.data.edits import OPERATIONS
+        from paco.data.photos import SUBJECTS
+
+        bad = [s for s in self.subjects if s not in SUBJECTS] + [o for o in self.operations if o not in OPERATIONS]
+        if bad:
+            raise ValueError(f"unknown subject(s) or operation(s) {bad}; subjects {sorted(SUBJECTS)}, "
+                             f"operations {sorted(OPERATIONS)}")
+        if len(set(self.subjects)) < 2 or not self.test_photos < len(set(self.subjects)):
+            raise ValueError(f"need >= 2 distinct subjects and test_photos < their number, got {self.subjects} "
+                             f"and test_photos {self.test_photos}")
+        return self
+
+
+class EditImportParams(_Section):
+    """GEdit-Bench layout (``stepfun-ai/GEdit-Bench``; the reference's ``preprocess.py`` split)."""
+
+    path: str = "data/raw/edits/gedit.parquet"
+    languages: list[str] | None = Field(None, description="keep these instruction languages (null: all)")
+    test_items: int = Field(128, ge=1, description="random test items (reference 128)")
+    split_seed: int = Field(42, description="random.seed of the reference's split")
+    max_pixels: int = Field(4096 * 4096, ge=1)
+
+
+class EditsParams(_Section):
+    source: Literal["photos", "import"] = "photos"
+    seed: int = 0
+    strict: bool = True
+    photos: EditPhotosParams = Field(default_factory=EditPhotosParams)
+    import_: EditImportParams = Field(default_factory=EditImportParams, alias="import")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+# --------------------------------------------------------------------------------------------
 # composites
 # --------------------------------------------------------------------------------------------
 
@@ -605,6 +655,7 @@ class ResourcesParams(_Section):
 class Params(_Section):
     models: ModelsParams = Field(default_factory=ModelsParams)
     prompts: PromptsParams = Field(default_factory=PromptsParams)
+    edits: EditsParams = Field(default_factory=EditsParams)
     composites: CompositesParams = Field(default_factory=CompositesParams)
     subfigures: SubfiguresParams = Field(default_factory=SubfiguresParams)
     pairs: PairsParams = Field(default_factory=PairsParams)

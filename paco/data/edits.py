@@ -1,0 +1,242 @@
+"""Image-editing items for PaCo-GRPO's editing subtasks (paper §7): an input image and an edit
+instruction per item, split into train and test.
+
+Two sources (``edits.source``):
+
+* ``photos`` (the embedded default): every photograph of ``edits.photos.subjects`` (shipped in
+  installed wheels, :func:`paco.data.photos.load_subject`) is cut to a square view of
+  ``edits.photos.size`` px and given one instruction per operation of
+  :data:`OPERATIONS`, whose correct result the project computes (``target_image``): grey-scale,
+  mirror, posterise, a warm or cool colour cast, a centre zoom, or replacing the subject with
+  another photograph. Items are split by source photograph: ``edits.photos.test_photos``
+  photographs (drawn with ``edits.seed``) give the test items, so no test photo is seen in
+  training.
+* ``import``: the GEdit-Bench layout (``stepfun-ai/GEdit-Bench``): a Parquet file (the
+  ``datasets`` export: ``key``, ``task_type``, ``instruction``, ``instruction_language``,
+  ``input_image`` as ``{bytes, path}``) or a jsonl file whose ``input_image`` is a path relative
+  to the file. ``edits.import.languages`` keeps only those instruction languages; then, as the
+  reference's ``dataset/GEdit-Bench/preprocess.py``, ``random.seed(split_seed)`` +
+  ``random.sample(range(n), test_items)`` pick the test items and the rest is train.
+  ``target_image`` is null.
+
+A malformed row (missing or blank instruction, unreadable image, bad language) raises
+:class:`EditsError` naming the file, the row and the reason; with ``edits.strict: false`` it is
+skipped and reported (``skipped``), never dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from PIL import Image, ImageOps
+
+from paco.core.io import ArtifactError, ImageDecodeError, decode_image, encode_image
+from paco.core.seeding import stable_seed
+from paco.data.photos import SUBJECTS, load_subject
+
+#: Columns of ``edits.parquet`` (``target_image`` may be null).
+EDIT_COLUMNS = ("item_id", "split", "source", "subject", "task_type", "instruction", "language",
+                "input_image", "target_image", "height", "width")
+
+
+class EditsError(ArtifactError):
+    """An editing source file or row is malformed."""
+
+
+def _name(subject: str) -> str:
+    return subject.replace("_", " ")
+
+
+def _cast(colour: tuple[int, int, int], alpha: float) -> Callable[[Image.Image, Any], Image.Image]:
+    def op(image: Image.Image, _: Any) -> Image.Image:
+        return Image.blend(image, Image.new("RGB", image.size, colour), alpha)
+
+    return op
+
+
+def _zoom(image: Image.Image, _: Any) -> Image.Image:
+    w, h = image.size
+    box = (w // 4, h // 4, w // 4 + w // 2, h // 4 + h // 2)
+    return image.crop(box).resize((w, h), Image.Resampling.LANCZOS)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """An edit whose correct result is computed: ``instruction`` (``{other}`` is the replacing
+    subject's name) and ``apply(image, other_view)`` -> the edited image, same size."""
+
+    name: str
+    instruction: str
+    apply: Callable[[Image.Image, Any], Image.Image]
+    colour_only: bool = False  # meaningless on a grey-scale photograph
+
+
+#: The embedded default's edit families.
+OPERATIONS: dict[str, Operation] = {op.name: op for op in (
+    Operation("greyscale", "Convert the photo to black and white.",
+              lambda im, _: ImageOps.grayscale(im).convert("RGB"), colour_only=True),
+    Operation("mirror", "Flip the image horizontally, as in a mirror.", lambda im, _: ImageOps.mirror(im)),
+    Operation("posterise", "Posterize the photo to four tones per colour channel.",
+              lambda im, _: ImageOps.posterize(im, 2)),
+    Operation("warm_cast", "Give the whole photo a warm orange tint.", _cast((255, 140, 0), 0.3)),
+    Operation("cool_cast", "Give the whole photo a cool blue tint.", _cast((0, 90, 255), 0.3)),
+    Operation("zoom", "Zoom in on the centre: crop to the middle half and enlarge it to the full frame.", _zoom),
+    Operation("replace_subject", "Replace the picture with a photo of the {other}.", lambda im, other: other),
+)}
+
+
+def _square_view(subject: str, size: int) -> Image.Image:
+    im = load_subject(subject)
+    w, h = im.size
+    s = min(w, h)
+    box = ((w - s) // 2, (h - s) // 2, (w - s) // 2 + s, (h - s) // 2 + s)
+    return im.crop(box).resize((size, size), Image.Resampling.LANCZOS)
+
+
+def photo_edits(subjects: list[str], operations: list[str], size: int, test_photos: int, seed: int
+                ) -> pd.DataFrame:
+    """The ``photos`` source (see the module docstring): one item per (subject, operation),
+    ``colour_only`` operations skipped on grey-scale photographs.
+
+    Raises:
+        ValueError: an unknown subject or operation, fewer than two subjects (``replace_subject``
+            needs another), or ``test_photos`` not in ``[1, len(subjects) - 1]``.
+    """
+    from paco.data.photos import GREYSCALE_SUBJECTS
+
+    unknown = sorted(set(subjects) - set(SUBJECTS)) + sorted(set(operations) - set(OPERATIONS))
+    if unknown:
+        raise ValueError(f"unknown subject(s) or operation(s) {unknown}; subjects {sorted(SUBJECTS)}, "
+                         f"operations {sorted(OPERATIONS)}")
+    if len(subjects) < 2 or not 1 <= test_photos < len(subjects):
+        raise ValueError(f"edits.photos: need >= 2 subjects and 1 <= test_photos < {len(subjects)}, "
+                         f"got {len(subjects)} subjects and test_photos {test_photos}")
+    ordered = sorted(subjects)
+    rng = np.random.default_rng(stable_seed(seed, "edits-split"))
+    test = set(rng.choice(ordered, size=test_photos, replace=False).tolist())
+    views = {s: _square_view(s, size) for s in ordered}
+    rows = []
+    for subject in ordered:
+        for name in operations:
+            op = OPERATIONS[name]
+            if op.colour_only and subject in GREYSCALE_SUBJECTS:
+                continue
+            others = [o for o in ordered if o != subject]
+            other = others[stable_seed(seed, "edits-other", subject) % len(others)]
+            edited = op.apply(views[subject], views[other])
+            rows.append({
+                "item_id": f"{subject}-{name}", "split": "test" if subject in test else "train",
+                "source": "photos", "subject": subject, "task_type": name,
+                "instruction": op.instruction.format(other=_name(other)), "language": "en",
+                "input_image": encode_image(views[subject]), "target_image": encode_image(edited),
+                "height": size, "width": size,
+            })
+    return pd.DataFrame(rows, columns=list(EDIT_COLUMNS))
+
+
+def _gedit_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` of a GEdit-Bench Parquet or jsonl file; a jsonl image path is resolved
+    against the file's folder and read as bytes."""
+    if path.suffix == ".parquet":
+        df = pd.read_parquet(path)
+        return [(f"{path}: row {i}", row) for i, row in enumerate(df.to_dict("records"))]
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {line_no}"
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                rows.append((where, {"_error": f"not JSON ({exc})"}))
+                continue
+            if not isinstance(row, dict):
+                rows.append((where, {"_error": "not a JSON object"}))
+                continue
+            image = row.get("input_image")
+            if isinstance(image, str):
+                target = (path.parent / image).resolve()
+                if path.parent.resolve() not in target.parents:
+                    row = {"_error": f"input_image {image!r} points outside {path.parent}"}
+                else:
+                    try:
+                        row = {**row, "input_image": {"bytes": target.read_bytes(), "path": image}}
+                    except OSError as exc:
+                        row = {"_error": f"input_image {image!r}: {exc.strerror or exc}"}
+            rows.append((where, row))
+    return rows
+
+
+def _gedit_item(where: str, row: dict[str, Any], max_pixels: int) -> dict[str, Any]:
+    if "_error" in row:
+        raise EditsError(f"{where}: {row['_error']}")
+    instruction = row.get("instruction")
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise EditsError(f"{where}: missing or blank instruction")
+    language = row.get("instruction_language", "en")
+    if not isinstance(language, str) or not language.strip():
+        raise EditsError(f"{where}: instruction_language must be a non-empty string, got {language!r}")
+    cell = row.get("input_image")
+    if cell is None:
+        raise EditsError(f"{where}: no input_image")
+    try:
+        image = decode_image(cell, what=f"{where} input_image", max_pixels=max_pixels)
+    except ImageDecodeError as exc:
+        raise EditsError(str(exc)) from None
+    key = str(row.get("key") or "").strip()
+    if not key:
+        raise EditsError(f"{where}: missing key")
+    return {"item_id": key, "source": "gedit", "subject": "", "task_type": str(row.get("task_type") or ""),
+            "instruction": instruction.strip(), "language": language.strip(),
+            "input_image": encode_image(image, cell.get("path") if isinstance(cell, dict) else None),
+            "target_image": None, "height": image.height, "width": image.width}
+
+
+@dataclass
+class ImportResult:
+    table: pd.DataFrame
+    skipped: list[dict[str, str]]
+
+
+def import_gedit(path: str | Path, *, languages: list[str] | None, test_items: int, split_seed: int,
+                 strict: bool, max_pixels: int) -> ImportResult:
+    """The ``import`` source (see the module docstring).
+
+    Raises:
+        EditsError: a missing file, a malformed row (``strict``), duplicate keys, no item, or
+            fewer items than ``test_items``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise EditsError(f"edits.import.path: {path} is not a file (GEdit-Bench .parquet or .jsonl)")
+    items, skipped = [], []
+    for where, row in _gedit_rows(path):
+        try:
+            item = _gedit_item(where, row, max_pixels)
+        except EditsError as exc:
+            if strict:
+                raise
+            skipped.append({"where": where, "reason": str(exc)})
+            continue
+        if languages is None or item["language"] in languages:
+            items.append(item)
+    if not items:
+        raise EditsError(f"{path}: no editing item (languages {languages}, {len(skipped)} rows skipped)")
+    keys = [it["item_id"] for it in items]
+    dupes = sorted({k for k in keys if keys.count(k) > 1})
+    if dupes:
+        raise EditsError(f"{path}: duplicate keys {dupes[:5]}")
+    if test_items > len(items):
+        raise EditsError(f"{path}: {len(items)} items, fewer than edits.import.test_items {test_items}")
+    test = set(random.Random(split_seed).sample(range(len(items)), test_items))  # the reference's split
+    for i, item in enumerate(items):
+        item["split"] = "test" if i in test else "train"
+    return ImportResult(pd.DataFrame(items, columns=list(EDIT_COLUMNS)), skipped)
