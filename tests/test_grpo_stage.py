@@ -70,7 +70,7 @@ def _launch_grpo(processes: int, params: Path, prompts: Path, dirs: dict, out: P
 
 def test_dead_judge_url_fails_the_stage_with_the_url(tiny_model_dirs, tmp_path, dead_url):
     url = dead_url
-    params = _params(tmp_path, url=url, retries=1, backoff_s=0.01, timeout_s=2)
+    params = _params(tmp_path, url=url, retries=1, timeout_s=2)
     out = tmp_path / "grpo"
     proc = _run("stages.grpo", [
         "--params", str(params), "--subtask", "t2is", "--prompts", str(_prompts(tmp_path / "prompts.parquet")),
