@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from paco.core.io import write_parquet
-from paco.core.params import Params
+from paco.core.params import Params, ParamsError
 from paco.core.stage import StageOutput, log, run
 from paco.data import edits as E
 
@@ -31,7 +31,10 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     skipped: list[dict[str, str]] = []
     if cfg.source == "photos":
         ph = cfg.photos
-        df = E.photo_edits(list(ph.subjects), list(ph.operations), ph.size, ph.test_photos, cfg.seed)
+        try:
+            df = E.photo_edits(list(ph.subjects), list(ph.operations), ph.size, ph.test_photos, cfg.seed)
+        except ValueError as exc:  # unknown names or an impossible split: the params are wrong
+            raise ParamsError(f"params.yaml: edits.photos: {exc}") from None
     else:
         im = cfg.import_
         res = E.import_gedit(args.import_path or im.path, languages=im.languages, test_items=im.test_items,

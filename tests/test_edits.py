@@ -109,3 +109,19 @@ def test_gedit_jsonl_import_and_bad_rows(tmp_path):
         import_gedit(path, languages=None, test_items=7, split_seed=42, strict=False, max_pixels=1 << 20)
     with pytest.raises(EditsError, match="pixels"):
         import_gedit(path, languages=None, test_items=2, split_seed=42, strict=True, max_pixels=100)
+
+
+def test_edits_stage_refuses_an_unknown_operation_as_a_params_error(tmp_path):
+    import yaml
+
+    from stages import edits as stage
+
+    from pathlib import Path
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    raw["edits"]["photos"]["operations"] = ["mirror", "sharpen"]
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(raw))
+    code = stage.main(["--params", str(params), "--out", str(tmp_path / "e.parquet"), "--metrics",
+                       str(tmp_path / "m.json")])
+    assert code == 2 and not (tmp_path / "e.parquet").exists()
