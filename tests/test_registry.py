@@ -178,3 +178,15 @@ def test_params_check_refuses_a_dvc_yaml_rendered_for_other_params(tmp_path):
                            "--out", str(tmp_path / "p.json"), "--dvc-yaml", str(tmp_path / "dvc.yaml")], cwd=ROOT,
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_dvc_ignores_snakemakes_directory_timestamps():
+    """Snakemake writes ``.snakemake_timestamp`` into every ``directory()`` output; DVC must not
+    count it, or a Snakemake run would make ``dvc status`` report byte-identical model
+    directories as modified (issue 11)."""
+    proc = subprocess.run([sys.executable, "-m", "dvc", "check-ignore", "data/models/judge_base/.snakemake_timestamp"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = subprocess.run([sys.executable, "-m", "dvc", "check-ignore", "data/models/judge_base/config.json"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert kept.returncode == 1
