@@ -476,7 +476,8 @@ class RolloutParams(_Section):
     batch_size: int = Field(8, ge=1, description="trajectories per forward pass")
     max_sequence_length: int = Field(512, ge=8, le=512)
     overlap_rewards: bool = Field(True, description="score the served rewards (the judge) of each prompt's group "
-                                  "on a worker thread while the next group is sampled; the results are the same "
+                                  "(and evaluation chunk) on a worker thread while the next one is sampled; the "
+                                  "results are the same "
                                   "either way (launch-only: not part of the run identity)")
 
     @model_validator(mode="after")

@@ -323,16 +323,31 @@ def evaluate(policy: FluxPolicy, prompts: Sequence[PromptInfo], sizes: Sequence[
     by_size: dict[tuple[int, int], list[int]] = {}
     for i in mine:
         by_size.setdefault(tuple(sizes[i]), []).append(i)
-    for (h, w), idx in by_size.items():
-        for start in range(0, len(idx), e.batch_size):
-            chunk = idx[start:start + e.batch_size]
-            emb = policy.encode_prompts([prompts[i].prompt for i in chunk])
-            noise = [generators(cfg.seed, "eval", 0, prompts[i].prompt_id, [0])[0] for i in chunk]
-            roll = policy.generate(emb, height=h, width=w, num_steps=e.num_steps, noise_level=0.0,
-                                 sde_indices=[], noise_generators=noise)
-            rows += zip(chunk, policy.decode(roll.final_latents, h, w), strict=True)
+    # served rewards of each chunk scored while the next is sampled (as in the rollout)
+    overlap = OverlappedRewards(list(cfg.rewards), ctx) if cfg.rollout.overlap_rewards else None
+    submitted: list[int] = []
+    try:
+        for (h, w), idx in by_size.items():
+            for start in range(0, len(idx), e.batch_size):
+                chunk = idx[start:start + e.batch_size]
+                emb = policy.encode_prompts([prompts[i].prompt for i in chunk])
+                noise = [generators(cfg.seed, "eval", 0, prompts[i].prompt_id, [0])[0] for i in chunk]
+                roll = policy.generate(emb, height=h, width=w, num_steps=e.num_steps, noise_level=0.0,
+                                       sde_indices=[], noise_generators=noise)
+                images = policy.decode(roll.final_latents, h, w)
+                rows += zip(chunk, images, strict=True)
+                if overlap is not None:
+                    overlap.submit(images, [prompts[i] for i in chunk])
+                    submitted += chunk
+        served = overlap.collect() if overlap is not None else {}
+    finally:
+        if overlap is not None:
+            overlap.close()
     rows.sort(key=lambda r: r[0])
-    rewards = compute_rewards(list(cfg.rewards), [im for _, im in rows], [prompts[i] for i, _ in rows], ctx)
+    order = {i: j for j, i in enumerate(submitted)}
+    rewards = compute_rewards([n for n in cfg.rewards if n not in served], [im for _, im in rows],
+                              [prompts[i] for i, _ in rows], ctx)
+    rewards.update({n: np.array([v[order[i]] for i, _ in rows]) for n, v in served.items()})
     local = [(i, {k: float(v[j]) for k, v in rewards.items()}) for j, (i, _) in enumerate(rows)]
     allrows = sorted(_gather(accelerator, local), key=lambda r: r[0])
     table = {k: np.array([r[1][k] for r in allrows]) for k in cfg.rewards}
