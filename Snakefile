@@ -16,7 +16,7 @@ MEMBERS = [m for s in STAGES for m in s.members(config)]
 
 def member_outputs(m):
     s = m.stage
-    return [m.resolve(p, config) for p in list(s.out_dirs) + list(s.outs) + list(s.metrics) + list(s.plot_outs)]
+    return [m.resolve(p, config) for p in list(s.active_out_dirs(config)) + list(s.outs) + list(s.metrics) + list(s.plot_outs)]
 
 
 rule all:
@@ -35,7 +35,7 @@ for _m in MEMBERS:
         input:
             _m.deps(config) + list(_s.code),
         output:
-            [directory(_m.resolve(d, config)) for d in _s.out_dirs]
+            [directory(_m.resolve(d, config)) for d in _s.active_out_dirs(config)]
             + [_m.resolve(p, config) for p in list(_s.outs) + list(_s.metrics) + list(_s.plot_outs)],
         params:
             # the command, bound now: a `shell:` expression is evaluated when the job runs,

@@ -327,3 +327,23 @@ def test_hub_id_from_offline_cache(tiny_model_dirs, tmp_path, monkeypatch, offli
     with pytest.raises(ValueError, match=r"models\.clip.*'paco-test/tiny-clip'.*not available"):
         materialise("clip", "paco-test/tiny-clip", tmp_path / "missing", seed=0, revision="v9")
     assert not (tmp_path / "missing").exists()
+
+
+def test_models_stage_builds_every_role_the_params_name(tmp_path):
+    """A further ``models:`` role (here a second FLUX policy) is built like the required ones."""
+    from pathlib import Path
+
+    import yaml
+
+    from stages import models as stage
+
+    root = Path(__file__).resolve().parents[1]
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["models"]["policy_kontext"] = "tiny:flux"
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(raw))
+    code = stage.main(["--params", str(params), "--out", str(tmp_path / "models"), "--metrics", str(tmp_path / "m.json")])
+    assert code == 0
+    assert sorted(p.name for p in (tmp_path / "models").iterdir() if p.is_dir()) == [
+        "clip", "judge_base", "policy_kontext", "policy_t2is"]
+    assert (tmp_path / "models/policy_kontext/model_index.json").is_file()

@@ -32,10 +32,11 @@ def test_every_stage_declares_existing_code_and_params_sections():
             for key, value in m.params_sections(params).items():
                 assert value is not None, f"{m.dvc_name}: params key {key} missing"
             # every placeholder resolves against params.yaml (and the foreach item)
-            for text in (stage.cmd, *stage.dep_paths, *stage.outs, *stage.out_dirs, *stage.plot_outs):
+            for text in (stage.cmd, *stage.dep_paths, *stage.outs, *stage.active_out_dirs(params),
+                         *stage.plot_outs):
                 assert "${" not in m.resolve(text, params), text
         # outputs live under data/<stage>/ (docs/architecture.md §3)
-        for out in stage.outs + stage.out_dirs + stage.metrics + stage.plot_outs + stage.persist:
+        for out in stage.outs + stage.active_out_dirs(params) + stage.metrics + stage.plot_outs + stage.persist:
             assert out.startswith(f"data/{stage.name}/"), out
 
 
@@ -190,3 +191,31 @@ def test_dvc_ignores_snakemakes_directory_timestamps():
     kept = subprocess.run([sys.executable, "-m", "dvc", "check-ignore", "data/models/judge_base/config.json"],
                           cwd=ROOT, capture_output=True, text=True)
     assert kept.returncode == 1
+
+
+def test_model_roles_come_from_the_params():
+    """A further ``models:`` key is a role: the models stage builds ``data/models/<role>`` (in
+    dvc.yaml and the Snakefile), and a subtask may use it as its policy (issue 10)."""
+    from paco.core.params import ParamsError, validate_params
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert registry.model_roles(params) == ("judge_base", "policy_t2is", "clip")
+    params["models"]["policy_kontext"] = "tiny:flux"
+    params["grpo"]["kontext"] = {**params["grpo"]["t2is"], "policy": "policy_kontext"}
+    models = next(s for s in registry.STAGES if s.name == "models")
+    assert models.active_out_dirs(params) == tuple(f"data/models/{r}" for r in
+                                                   ("judge_base", "policy_t2is", "clip", "policy_kontext"))
+    rendered = registry.render_dvc(params)["stages"]
+    assert "data/models/policy_kontext" in rendered["models"]["outs"]
+    assert validate_params(params, source="x").models.roles()["policy_kontext"] == "tiny:flux"
+    params["grpo"]["kontext"]["policy"] = "policy_nope"
+    with pytest.raises(ParamsError, match="policy_nope"):
+        validate_params(params, source="x")
+    params["grpo"]["kontext"]["policy"] = "policy_kontext"
+    params["models"]["Bad-Role"] = "tiny:flux"
+    with pytest.raises(ParamsError, match="Bad-Role"):
+        validate_params(params, source="x")
+    del params["models"]["Bad-Role"]
+    params["models"]["policy_kontext"] = 3
+    with pytest.raises(ParamsError, match="policy_kontext"):
+        validate_params(params, source="x")

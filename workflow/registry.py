@@ -33,7 +33,18 @@ from typing import Any
 import yaml
 
 PARAMS_FILE = "params.yaml"
+#: the model roles every run needs; ``models:`` may name more (:func:`model_roles`)
 MODEL_ROLES = ("judge_base", "policy_t2is", "clip")
+#: keys of the ``models`` section that are settings, not roles
+_MODELS_SETTINGS = ("seed", "revision", "allow_patterns")
+
+
+def model_roles(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The model roles under ``config``: :data:`MODEL_ROLES`, then every further key of
+    ``models:`` in name order (as ``paco.core.params.ModelsParams.roles``)."""
+    models = config.get("models") or {}
+    extra = sorted(k for k in models if k not in MODEL_ROLES and k not in _MODELS_SETTINGS)
+    return MODEL_ROLES + tuple(extra)
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 
 
@@ -162,6 +173,14 @@ class Stage:
         is decided on the validated params, so a key left to its default counts as its default."""
         effective = effective_params(config) if any(isinstance(d, Dep) for d in self.deps) else config
         return tuple(_path(d) for d in self.deps if not isinstance(d, Dep) or d.active(effective))
+
+    def active_out_dirs(self, config: Mapping[str, Any]) -> tuple[str, ...]:
+        """The output directories under ``config``: an entry holding ``${role}`` stands for one
+        directory per model role (:func:`model_roles`)."""
+        out: list[str] = []
+        for d in self.out_dirs:
+            out += [d.replace("${role}", r) for r in model_roles(config)] if "${role}" in d else [d]
+        return tuple(out)
 
     @property
     def plot_outs(self) -> tuple[str, ...]:
@@ -309,7 +328,7 @@ STAGES: tuple[Stage, ...] = (
         name="models",
         args=(("--out", "data/models"), ("--metrics", _d("models", "metrics.json"))),
         params=("models",),
-        out_dirs=tuple(f"data/models/{role}" for role in MODEL_ROLES),
+        out_dirs=("data/models/${role}",),  # one per model role (Stage.active_out_dirs)
         metrics=(_d("models", "metrics.json"),),
     ),
     Stage(
@@ -588,7 +607,7 @@ def render_dvc(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     for s in STAGES:
         entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.active_deps(config)) + list(s.code),
                                  "params": [{PARAMS_FILE: None}] if s.whole_params_file else list(s.params)}
-        entry["outs"] = list(s.out_dirs) + list(s.outs) + [{p: {"persist": True}} for p in s.persist]
+        entry["outs"] = list(s.active_out_dirs(config)) + list(s.outs) + [{p: {"persist": True}} for p in s.persist]
         if s.metrics:
             entry["metrics"] = list(s.metrics)
         if s.stage_plots:

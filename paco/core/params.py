@@ -61,9 +61,13 @@ class ModelsParams(_Section):
 
     A value is ``tiny:<name>`` (build a tiny random-init model offline, embedded default), a hub
     id such as ``Qwen/Qwen2.5-VL-7B-Instruct`` (``huggingface_hub.snapshot_download``), or a
-    local directory (copied). Roles: ``judge_base`` (Qwen2.5-VL), ``policy_t2is`` (FLUX.1),
-    ``clip`` (CLIP dual encoder).
+    local directory (copied). The roles every run needs are ``judge_base`` (Qwen2.5-VL),
+    ``policy_t2is`` (FLUX.1) and ``clip`` (CLIP dual encoder); any further key names another
+    role (e.g. ``policy_kontext: black-forest-labs/FLUX.1-Kontext-dev``), built into
+    ``data/models/<role>`` and usable as a subtask's ``policy``.
     """
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=False)
 
     seed: int = 0
     judge_base: str = "tiny:qwen2_5_vl"
@@ -74,9 +78,27 @@ class ModelsParams(_Section):
         default_factory=dict, description="role -> snapshot_download allow_patterns"
     )
 
+    @model_validator(mode="after")
+    def _extra_roles(self) -> ModelsParams:
+        for role, spec in (self.model_extra or {}).items():
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", role):
+                raise ValueError(f"models.{role}: a role name is lower-case letters, digits and _ (it names "
+                                 "the directory data/models/<role>)")
+            if not isinstance(spec, str) or not spec.strip():
+                raise ValueError(f"models.{role}: a role's source is a string (tiny:<name>, a hub id or a local "
+                                 f"directory), got {spec!r}")
+        roles = self.roles()
+        for what, table in (("revision", self.revision), ("allow_patterns", self.allow_patterns)):
+            unknown = sorted(set(table) - set(roles))
+            if unknown:
+                raise ValueError(f"models.{what} names unknown role(s) {unknown} (roles: {sorted(roles)})")
+        return self
+
     def roles(self) -> dict[str, str]:
-        """Role name -> source spec, in a fixed order."""
-        return {"judge_base": self.judge_base, "policy_t2is": self.policy_t2is, "clip": self.clip}
+        """Role name -> source spec: ``judge_base``, ``policy_t2is``, ``clip``, then the further
+        roles in name order."""
+        extra = dict(sorted((self.model_extra or {}).items()))
+        return {"judge_base": self.judge_base, "policy_t2is": self.policy_t2is, "clip": self.clip, **extra}
 
 
 # --------------------------------------------------------------------------------------------
