@@ -219,3 +219,31 @@ def test_model_roles_come_from_the_params():
     params["models"]["policy_kontext"] = 3
     with pytest.raises(ParamsError, match="policy_kontext"):
         validate_params(params, source="x")
+
+
+def test_launch_only_keys_rerun_nothing_in_either_engine():
+    """A subtask's ``resources`` (and ``rollout.overlap_rewards``) are not params deps: dvc.yaml
+    lists the section's other keys and Snakemake's rerun trigger leaves them out, so raising a
+    SLURM ``runtime`` or ``mem_mb`` reruns nothing; ``processes`` and ``accelerate_config`` are in
+    the command, whose change reruns the stage (checked with ``dvc status`` by hand: issue 9/11
+    closing note)."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    grpo = next(s for s in registry.STAGES if s.name == "grpo")
+    entries = grpo.params_entries(params)
+    assert "grpo.${key}.epochs" in entries and "grpo.${key}.rollout.num_steps" in entries
+    assert not any("resources" in e or "overlap_rewards" in e for e in entries)
+    assert "grpo.${key}" not in entries and {"judge_endpoint", "subfigures"} <= set(entries)
+    assert "${item.resources.processes}" in grpo.cmd and "${item.resources.accelerate_config}" in grpo.cmd
+    # every key of the section but the launch-only ones is covered
+    section = params["grpo"]["t2is"]
+    covered = {e.split(".", 2)[2].split(".")[0] for e in entries if e.startswith("grpo.")}
+    assert covered == set(section) - {"resources"}
+    member = grpo.members(params)[0]
+    sections = member.params_sections(params)
+    assert "resources" not in sections["grpo.t2is"] and "overlap_rewards" not in sections["grpo.t2is"]["rollout"]
+    before = dict(sections)
+    params["grpo"]["t2is"]["resources"]["runtime"] += 60
+    assert member.params_sections(params) == before
+    # members that do not share their keys: the whole section is tracked (nothing goes untracked)
+    params["grpo"]["other"] = {k: v for k, v in params["grpo"]["t2is"].items() if k != "save_every"}
+    assert "grpo.${key}" in grpo.params_entries(params)

@@ -70,6 +70,40 @@ class Dep:
         return node in self.values
 
 
+def _keys_without(section: Any, excluded: list[str]) -> list[str] | None:
+    """The dotted keys of ``section`` that cover it except the ``excluded`` (dotted) keys: a key
+    with an excluded key below it is replaced by its own keys. ``None`` if ``section`` is not a
+    mapping."""
+    if not isinstance(section, Mapping):
+        return None
+    out: list[str] = []
+    for key in sorted(section):
+        below = [e[len(key) + 1:] for e in excluded if e.startswith(key + ".")]
+        if key in excluded:
+            continue
+        if below:
+            sub = _keys_without(section[key], below)
+            if sub is None:
+                return None
+            out += [f"{key}.{k}" for k in sub]
+        else:
+            out.append(key)
+    return out
+
+
+def _without(section: Any, excluded: list[str]) -> Any:
+    """A copy of ``section`` without the ``excluded`` dotted keys."""
+    if not isinstance(section, Mapping):
+        return section
+    out = {}
+    for key, value in section.items():
+        if key in excluded:
+            continue
+        below = [e[len(key) + 1:] for e in excluded if e.startswith(key + ".")]
+        out[key] = _without(value, below) if below else value
+    return out
+
+
 def effective_params(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """``config`` validated by the params schema, every default filled in (as plain data); an
     invalid ``config`` is returned as it is (the stages and ``params_check`` report it)."""
@@ -174,6 +208,38 @@ class Stage:
         effective = effective_params(config) if any(isinstance(d, Dep) for d in self.deps) else config
         return tuple(_path(d) for d in self.deps if not isinstance(d, Dep) or d.active(effective))
 
+    def params_entries(self, config: Mapping[str, Any]) -> list[str]:
+        """The ``params:`` of the stage in ``dvc.yaml``: the declared sections, except that a
+        section holding launch-only keys (:attr:`launch`, e.g. ``grpo.${key}.resources``) is
+        listed by its other keys, so raising a SLURM ``runtime`` or ``mem_mb`` reruns nothing
+        (``processes`` and ``accelerate_config`` are in the command, whose change does). Keys
+        are read from ``config``; foreach members must then share the same keys, or the whole
+        section is listed."""
+        entries: list[str] = []
+        for section in self.params:
+            excluded = [k[len(section) + 1:] for k in self.launch if k.startswith(section + ".")]
+            if not excluded:
+                entries.append(section)
+                continue
+            if self.foreach and section.startswith(f"{self.foreach}.${{key}}"):
+                rest = section[len(f"{self.foreach}.${{key}}"):].lstrip(".")
+                values = []
+                for item in (config.get(self.foreach) or {}).values():
+                    for part in filter(None, rest.split(".")):
+                        item = item.get(part) if isinstance(item, Mapping) else None
+                    values.append(item)
+            else:
+                node: Any = config
+                for part in section.split("."):
+                    node = node.get(part) if isinstance(node, Mapping) else None
+                values = [node]
+            keys = [_keys_without(v, excluded) for v in values]
+            if not keys or any(k is None or k != keys[0] for k in keys):
+                entries.append(section)  # members disagree: track the whole section
+            else:
+                entries += [f"{section}.{k}" for k in keys[0]]
+        return entries
+
     def active_out_dirs(self, config: Mapping[str, Any]) -> tuple[str, ...]:
         """The output directories under ``config``: an entry holding ``${role}`` stands for one
         directory per model role (:func:`model_roles`)."""
@@ -240,7 +306,9 @@ class Member:
             node: Any = config
             for part in self.resolve(key, {}).split("."):
                 node = node.get(part) if isinstance(node, Mapping) else None
-            out[self.resolve(key, {})] = node
+            # launch-only keys (resources) rerun nothing, as in dvc.yaml (Stage.params_entries)
+            excluded = [k[len(key) + 1:] for k in self.stage.launch if k.startswith(key + ".")]
+            out[self.resolve(key, {})] = _without(node, excluded) if excluded else node
         return out
 
 
@@ -606,7 +674,7 @@ def render_dvc(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     stages: dict[str, Any] = {}
     for s in STAGES:
         entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.active_deps(config)) + list(s.code),
-                                 "params": [{PARAMS_FILE: None}] if s.whole_params_file else list(s.params)}
+                                 "params": [{PARAMS_FILE: None}] if s.whole_params_file else s.params_entries(config)}
         entry["outs"] = list(s.active_out_dirs(config)) + list(s.outs) + [{p: {"persist": True}} for p in s.persist]
         if s.metrics:
             entry["metrics"] = list(s.metrics)
