@@ -577,3 +577,52 @@ def test_local_server_exits_when_its_parent_is_killed(tiny_model_dirs, tmp_path)
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_request_whose_client_gave_up_is_not_computed(judge):
+    """A client that times out (and would retry) disconnects; its queued request is dropped,
+    not computed after the request ahead of it (the reviewer's reproduction: 3 copies computed)."""
+    gated = _Gated(judge)
+    with JudgeServer(gated, NAME, max_wait_ms=0) as srv:
+        a, b = _images(2)
+        first: list = []
+        ahead = threading.Thread(target=lambda: first.append(_post(f"{srv.url}/chat/completions", _request_body(a, b))))
+        ahead.start()
+        deadline = time.monotonic() + 30
+        while srv.batcher.busy_since is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(JudgeError, match="timed out"):
+            JudgeClient(srv.url, NAME, retries=0, timeout_s=1).score([(b, a, "same?")])
+        time.sleep(1.0)  # the server notices the disconnect within 0.25 s
+        gated.gate.set()
+        ahead.join(60)
+        assert first[0][0] == 200
+        status, health = _get(srv.url.removesuffix("/v1") + "/health")
+        assert health["abandoned"] == 1 and health["requests"] == 2 and health["forward_passes"] == 1
+
+
+def test_a_reply_that_is_not_json_is_a_named_judge_error():
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = b'{"choices": [trunc'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        a, b = _images(2)
+        with pytest.raises(JudgeError, match=r"malformed reply from .*served model 'paco-reward-test'"):
+            JudgeClient(f"http://127.0.0.1:{httpd.server_address[1]}/v1", NAME, retries=0).score([(a, b, "x")])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -43,6 +43,8 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
                                   max_wait_ms=s.max_wait_ms, threads=s.threads, startup_timeout_s=s.startup_timeout_s,
                                   device=s.device, dtype=s.dtype, max_logprobs=s.max_logprobs,
                                   batching=s.batching, max_model_len=s.max_model_len,
+                                  # a request the client has given up on is not computed later
+                                  request_timeout_s=cfg.timeout_s,
                                   log_path=log_dir / "judge_server.log" if log_dir else None)
         try:
             url = server.__enter__()

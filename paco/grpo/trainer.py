@@ -639,7 +639,9 @@ class OverlappedRewards:
 
     A served reward gives each sample the same value whichever samples it is called with (the
     judge server's ``batching: auto`` is batch-invariant), so the rewards, advantages and LoRA
-    equal those of scoring the whole epoch after sampling (tests/test_grpo.py). A failure is
+    equal those of scoring the whole epoch after sampling (tests/test_grpo.py). A server whose
+    scores depend on what shares a batch (vLLM, ``batching: dynamic``) gives run-to-run
+    differences with or without overlap alike. A failure is
     raised at the next :meth:`submit` or at :meth:`collect`; never turned into a score.
     """
 

@@ -271,6 +271,9 @@ class JudgeClient:
                 temperature=0.0, logprobs=True, top_logprobs=self.top_logprobs)
         except openai.OpenAIError as exc:
             raise self._failure(exc, "POST /chat/completions") from None
+        except ValueError as exc:  # a body declared JSON that is not (the client's json.loads)
+            raise JudgeError(f"malformed reply from {self.base_url}/chat/completions (served model "
+                             f"{self.model!r}): {exc}") from None
         try:
             top = completion.choices[0].logprobs.content[0].top_logprobs
             entries = [{"token": t.token, "logprob": t.logprob} for t in top]
@@ -331,15 +334,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the child gets SIGTERM when the thread that started it exits (PR_SET_PDEATHSIG)."""
+def _parent_death_signal() -> Any:
+    """A ``preexec_fn`` that makes the child get SIGTERM when the thread that started it exits
+    (Linux ``PR_SET_PDEATHSIG``), or ``None`` elsewhere. libc is loaded here, in the parent: the
+    child, between fork and exec, only calls ``prctl``."""
     import ctypes
     import signal
 
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:
-        pass
+        return None
+
+    def preexec() -> None:  # pragma: no cover - runs in the child
+        prctl(1, signal.SIGTERM)
+
+    return preexec
 
 
 class LocalJudgeServer:
@@ -369,10 +381,11 @@ class LocalJudgeServer:
                  max_wait_ms: float = 10.0, threads: int = 0, startup_timeout_s: float = 120.0,
                  log_path: str | os.PathLike[str] | None = None, device: str = "auto", dtype: str = "float32",
                  max_logprobs: int = 20, batching: str = "auto", max_model_len: int | None = None,
-                 engine: str = "paco"):
+                 engine: str = "paco", request_timeout_s: float = 300.0):
         if engine not in ("paco", "vllm"):
             raise ValueError(f"engine must be 'paco' or 'vllm', got {engine!r}")
         self.engine = engine
+        self.request_timeout_s = float(request_timeout_s)
         self.model_dir = Path(model_dir)
         self.served_model_name = served_model_name
         self.max_batch_size = max_batch_size
@@ -408,7 +421,7 @@ class LocalJudgeServer:
                    "--max-logprobs", str(self.max_logprobs), "--dtype", self.dtype, "--seed", "0"]
             if self.max_model_len:
                 cmd += ["--max-model-len", str(self.max_model_len)]
-            preexec = _die_with_parent if sys.platform.startswith("linux") else None
+            preexec = _parent_death_signal()
             port_file.write_text(str(port))
         else:
             cmd = [sys.executable, "-m", "paco.judge.serve", "--model", str(self.model_dir),
@@ -416,23 +429,27 @@ class LocalJudgeServer:
                    "--port-file", str(port_file), "--max-batch-size", str(self.max_batch_size),
                    "--max-wait-ms", str(self.max_wait_ms), "--threads", str(self.threads), "--device", self.device,
                    "--dtype", self.dtype, "--max-logprobs", str(self.max_logprobs), "--batching", self.batching,
-                   "--max-model-len", str(self.max_model_len or 0), "--parent-pid", str(os.getpid())]
+                   "--max-model-len", str(self.max_model_len or 0), "--parent-pid", str(os.getpid()),
+                   "--request-timeout-s", str(self.request_timeout_s)]
         # OpenMP threads that busy-wait between the server's small forward passes would steal the
         # cores the trainer needs (and the other way round): make them sleep when idle.
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         with open(self._log_file, "ab") as logf:
+            # vLLM runs its engine in child processes: its own session, so stopping it stops them all
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                         preexec_fn=preexec)
+                                         preexec_fn=preexec, start_new_session=self.engine == "vllm")
         deadline = time.monotonic() + self.startup_timeout_s
+        client: JudgeClient | None = None  # one polling client, closed below
         while True:
             if self.proc.poll() is not None:
                 tail = self._log_tail()
                 self.__exit__(None, None, None)
                 raise JudgeError(f"judge server ({self.model_dir}) exited with code {self.proc.returncode} "
                                  f"before it was ready; its log:\n{tail}")
-            if port_file.is_file() and port_file.read_text().strip():
+            if client is None and port_file.is_file() and port_file.read_text().strip():
                 self.url = f"http://127.0.0.1:{int(port_file.read_text())}/v1"
                 client = JudgeClient(self.url, self.served_model_name, retries=0, timeout_s=5.0)
+            if client is not None:
                 try:
                     if self.engine == "vllm":
                         if self.served_model_name in client.served_models():
@@ -447,22 +464,46 @@ class LocalJudgeServer:
                 raise JudgeError(f"judge server ({self.model_dir}) not healthy after {self.startup_timeout_s:g} s; "
                                  f"its log:\n{tail}")
             time.sleep(0.2)
+        client.close()
+        checker = JudgeClient(self.url, self.served_model_name, retries=2, timeout_s=10.0)
         try:
-            JudgeClient(self.url, self.served_model_name, retries=2, timeout_s=10.0).check_model()
+            checker.check_model()
         except JudgeError:
             self.__exit__(None, None, None)
             raise
+        finally:
+            checker.close()
         log.info("judge server for %s up at %s (pid %d)", self.model_dir, self.url, self.proc.pid)
         return self.url
 
-    def __exit__(self, *exc: Any) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+    def _signal(self, sig: int) -> None:
+        import signal as _signal
+
+        if self.engine == "vllm":  # the whole session: the API server and its engine processes
             try:
-                self.proc.wait(timeout=10)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        elif sig == _signal.SIGKILL:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal as _signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            self._signal(_signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10 if self.engine == "paco" else 60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(_signal.SIGKILL)
                 self.proc.wait()
+        elif self.proc is not None and self.engine == "vllm":
+            try:  # the API server is gone; its engine processes may not be
+                os.killpg(self.proc.pid, _signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

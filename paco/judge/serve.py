@@ -80,7 +80,9 @@ Limits (each checked before the model sees the request; a 400 names the limit un
 Errors are OpenAI error objects (``{"error": {"message", "type", "param", "code"}}``): a
 malformed request is a 400 with the reason, an unknown model name a 404 (vLLM's behaviour), an
 input the judge's processor refuses (``ValueError``, e.g. an extreme aspect ratio) a 400 for that
-request only. When a batched forward pass fails, its requests are scored again one at a time,
+request only. A request whose client disconnects while it waits is dropped from the queue (not
+computed; counted as ``abandoned``), so a client's timeout and retry do not double the work.
+When a batched forward pass fails, its requests are scored again one at a time,
 so only the request that caused it fails (a 500). A request not answered within
 ``--request-timeout-s`` is a 503 and is dropped from the queue (not computed later). The
 server keeps running.
@@ -118,6 +120,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from paco.core.io import ImageDecodeError, decode_image
 from paco.judge.model import JudgeContextError, check_context, encode_prompts
@@ -358,20 +361,27 @@ class BatchingJudge:
         Items carrying their own encoding (``same_shape``/``single``) are concatenated unpadded;
         otherwise (``dynamic``) the triples are encoded together, left-padded.
         """
-        if batch[0].inputs is not None and self.batching != "dynamic":
-            logits = self.judge.logits(_concat([it.inputs for it in batch]))
-        else:
-            logits = self.judge.logits(self.judge.encode([it.triple for it in batch]))
+        self.busy_since = time.monotonic()  # /health: how long this forward pass has run
+        try:
+            if batch[0].inputs is not None and self.batching != "dynamic":
+                logits = self.judge.logits(_concat([it.inputs for it in batch]))
+            else:
+                logits = self.judge.logits(self.judge.encode([it.triple for it in batch]))
+        finally:
+            self.busy_since = None
         with self._lock:
             self.forward_passes += 1
             self.max_batch = max(self.max_batch, len(batch))
+        results = []
         for row, it in zip(logits, batch, strict=True):
             # row by row: log_softmax and top-k of a 1-D row do not see the batch
             lp = torch.log_softmax(row.float(), dim=-1)
             k = min(max(it.top_k, 1), lp.shape[-1])
             values, ids = torch.topk(lp, k)
             top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
-            it.future.set_result((top[0][0], top[0][1], top[: it.top_k]))
+            results.append((top[0][0], top[0][1], top[: it.top_k]))
+        for it, result in zip(batch, results, strict=True):  # all rows computed: none answered twice
+            it.future.set_result(result)
 
     def _refuse(self, it: _Item, exc: Exception) -> None:
         with self._lock:
@@ -400,6 +410,8 @@ class BatchingJudge:
             log.warning("judge forward pass failed for a batch of %d (%s: %s); scoring its "
                         "requests one at a time", len(batch), type(exc).__name__, exc)
             for it in batch:
+                if it.future.done():  # answered before the pass failed
+                    continue
                 try:
                     self._score([it])
                 except ValueError as one:  # this request's input was refused
@@ -435,7 +447,6 @@ class BatchingJudge:
             # requests whose handler gave up (timeout) were cancelled: do not compute them
             batch = [it for it in batch if it.future.set_running_or_notify_cancel()]
             if batch:
-                self.busy_since = time.monotonic()
                 try:
                     self._process(batch)
                 except Exception as exc:  # noqa: BLE001 - never leave a request waiting
@@ -443,8 +454,6 @@ class BatchingJudge:
                     for it in batch:
                         if not it.future.done():
                             it.future.set_exception(exc)
-                finally:
-                    self.busy_since = None
             if stop:
                 return
 
@@ -726,6 +735,7 @@ def completion_response(batcher: BatchingJudge, served_model_name: str, result: 
 # --------------------------------------------------------------------------------------------
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "BadRequestError", 408: "RequestTimeout",
+                499: "ClientClosedRequest",
                 413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -737,6 +747,29 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 class _ReadTimeout(Exception):
     pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _await_unless_gone(request: Request, future: Future, timeout_s: float) -> Any:
+    """The result of the worker's ``future``; raises ``asyncio.TimeoutError`` after
+    ``timeout_s`` and :class:`_ClientGone` as soon as the client has disconnected (checked every
+    0.25 s), so the caller can cancel a request nobody waits for."""
+    waiter = asyncio.wrap_future(future)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            waiter.cancel()
+            raise asyncio.TimeoutError
+        done, _ = await asyncio.wait({waiter}, timeout=min(0.25, remaining))
+        if done:
+            return waiter.result()
+        if await request.is_disconnected():
+            waiter.cancel()
+            raise _ClientGone
 
 
 def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, max_wait_ms: float = 10.0,
@@ -758,7 +791,7 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
     # request preparation (decode, processor) on its own bounded pool: each of its threads holds
     # a copy of the tokenizer
     app.state.prepare_pool = ThreadPoolExecutor(max_workers=limits.prepare_threads, thread_name_prefix="prepare")
-    stats = {"in_flight": 0, "rejected": 0, "next_id": 1}
+    stats = {"in_flight": 0, "rejected": 0, "abandoned": 0, "next_id": 1}
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse(error_body(status, message), status_code=status)
@@ -779,7 +812,7 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
         body = {"status": status, "model": served_model_name, "busy_s": busy_s, "requests": batcher.requests,
                 "forward_passes": batcher.forward_passes, "max_batch": batcher.max_batch,
                 "isolated_batches": batcher.isolated_batches, "refused": batcher.refused,
-                "rejected": stats["rejected"], "in_flight": stats["in_flight"], "queued": batcher.queue.qsize(),
+                "rejected": stats["rejected"], "abandoned": stats["abandoned"], "in_flight": stats["in_flight"], "queued": batcher.queue.qsize(),
                 "batching": batcher.batching, "max_model_len": max_model_len}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
@@ -822,6 +855,9 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
                 body = await read_body(request)
                 triple, top_k, inputs = await asyncio.get_running_loop().run_in_executor(
                     app.state.prepare_pool, prepare, body)
+            except ClientDisconnect:  # the client left while sending: nothing to answer
+                stats["abandoned"] += 1
+                return error(499, "client closed the connection")
             except _ReadTimeout:
                 stats["rejected"] += 1
                 return error(408, f"request body not received within {limits.read_timeout_s:g} s")
@@ -840,10 +876,14 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
             batcher.arriving(-1)
             arriving = False
             try:
-                result = await asyncio.wait_for(asyncio.wrap_future(future), timeout=limits.request_timeout_s)
+                result = await _await_unless_gone(request, future, limits.request_timeout_s)
             except asyncio.TimeoutError:
                 future.cancel()  # still queued: the worker skips it
                 return error(503, f"judge did not answer within {limits.request_timeout_s:g} s")
+            except _ClientGone:
+                future.cancel()  # a client that gave up (its timeout, then a retry) costs no compute
+                stats["abandoned"] += 1
+                return error(499, "client closed the connection")
             except ValueError as exc:  # refused at the worker (dynamic batching encodes there)
                 prefix = "" if isinstance(exc, JudgeContextError) else "judge cannot score this input: "
                 return error(400, f"{prefix}{exc}")
@@ -899,7 +939,8 @@ class JudgeServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
 
     def run(self) -> None:
         try:

@@ -837,8 +837,10 @@ class OpenAITeacher(Teacher):
             try:
                 raw = self._post(messages, self.retry_temperature if bad_answer else self.temperature)
             except openai.OpenAIError as e:  # the client already retried what is worth retrying
-                return self._fail(item, f"{self._transport_error(e)} (attempt {attempts}, after the client's "
-                                        f"{self.retries} retries)", attempts, raw)
+                status = getattr(e, "status_code", None)
+                retried = status is None or status in (408, 409, 429) or status >= 500
+                how = f"after the client's {self.retries} retries" if retried else "not retried"
+                return self._fail(item, f"{self._transport_error(e)} (attempt {attempts}, {how})", attempts, raw)
             except ValueError as e:
                 last_err = str(e)
                 bad_answer = True
