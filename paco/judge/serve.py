@@ -224,7 +224,7 @@ class ServerLimits:
     read_timeout_s: float = 30.0
     request_timeout_s: float = 300.0
     stall_s: float = 120.0
-    feature_cache_bytes: int = 512 << 20
+    feature_cache_bytes: int = 128 << 20
     prepare_threads: int = 4
 
 
@@ -483,7 +483,7 @@ class ImageFeatureCache:
         max_bytes: bound on the cached tensors' bytes (0 disables caching).
     """
 
-    def __init__(self, image_processor: Any, max_bytes: int = 512 << 20):
+    def __init__(self, image_processor: Any, max_bytes: int = 128 << 20):
         self._inner = image_processor
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[tuple, tuple[dict, int]] = OrderedDict()
@@ -1012,6 +1012,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-timeout-s", type=float, default=30.0, help="longest pause inside a request body (408)")
     p.add_argument("--stall-s", type=float, default=120.0,
                    help="/health reports 'stalled' (503) when a forward pass runs longer than this")
+    p.add_argument("--feature-cache-mb", type=float, default=128.0,
+                   help="bound on the per-image processor features cached by content (a grid's panels recur in "
+                        "several pairs; 0 disables); a quarter of it again bounds the decoded images")
     p.add_argument("--prepare-threads", type=int, default=4,
                    help="threads decoding and encoding requests beside the model's worker thread")
     p.add_argument("--backlog", type=int, default=2048, help="listen backlog")
@@ -1034,7 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)), max_image_pixels=args.max_image_pixels,
                           max_in_flight=args.max_in_flight, read_timeout_s=args.read_timeout_s,
                           request_timeout_s=args.request_timeout_s, stall_s=args.stall_s,
-                          prepare_threads=args.prepare_threads)
+                          prepare_threads=args.prepare_threads, feature_cache_bytes=int(args.feature_cache_mb * (1 << 20)))
     server = JudgeServer(judge, args.served_model_name, args.host, args.port, max_batch_size=args.max_batch_size,
                          max_wait_ms=args.max_wait_ms, max_logprobs=args.max_logprobs, batching=args.batching,
                          limits=limits, backlog=args.backlog, max_connections=args.max_connections,
