@@ -95,10 +95,9 @@ def test_editing_reward_from_hand_made_logprobs_through_the_official_client():
     the SC and the PF question; the original image is sent first, the edit second."""
     import base64
     import io
-    import json
     import math
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from fake_openai import FakeOpenAIServer
 
     from paco.judge.client import JudgeClient
 
@@ -107,40 +106,24 @@ def test_editing_reward_from_hand_made_logprobs_through_the_official_client():
     edited = Image.new("RGB", (24, 24), (10, 10, 200))
     seen: list[tuple[str, tuple, tuple]] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            content = body["messages"][0]["content"]
-            first, second = (Image.open(io.BytesIO(base64.b64decode(c["image_url"]["url"].split(",", 1)[1])))
-                             .convert("RGB").getpixel((0, 0)) for c in content[:2])
-            text = content[2]["text"]
-            kind = "sc" if "remain consistent" in text else "pf" if "accurately follow" in text else "?"
-            seen.append((kind, first, second))
-            top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in logprobs[kind].items()]
-            reply = {"id": "x", "object": "chat.completion", "created": 0, "model": "judge",
+    def reply(body, n):
+        content = body["messages"][0]["content"]
+        first, second = (Image.open(io.BytesIO(base64.b64decode(c["image_url"]["url"].split(",", 1)[1])))
+                         .convert("RGB").getpixel((0, 0)) for c in content[:2])
+        text = content[2]["text"]
+        kind = "sc" if "remain consistent" in text else "pf" if "accurately follow" in text else "?"
+        seen.append((kind, first, second))
+        top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in logprobs[kind].items()]
+        return 200, {"id": "x", "object": "chat.completion", "created": 0, "model": "judge",
                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "Yes"},
                                   "logprobs": {"content": [{"token": "Yes", "logprob": -0.3, "bytes": [89, 101, 115],
                                                             "top_logprobs": top}]},
-                                  "finish_reason": "length"}]}
-            data = json.dumps(reply).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                                  "finish_reason": "length"}]}, 0
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        client = JudgeClient(f"http://127.0.0.1:{httpd.server_address[1]}/v1", "judge", retries=0)
+    with FakeOpenAIServer(reply) as srv:
+        client = JudgeClient(srv.base_url, "judge", retries=0)
         prompt = PromptInfo("e1", "make the car blue", "", 1, 1, (), reference=original)
         got = compute_rewards(["consistency_for_editing"], [edited], [prompt], RewardContext(judge=client))
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
     def p_yes(lp):
         return math.exp(lp["Yes"]) / (math.exp(lp["Yes"]) + math.exp(lp["No"]))

@@ -602,27 +602,9 @@ def test_a_request_whose_client_gave_up_is_not_computed(judge):
 
 
 def test_a_reply_that_is_not_json_is_a_named_judge_error():
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from fake_openai import FakeOpenAIServer
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            data = b'{"choices": [trunc'
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
+    with FakeOpenAIServer(lambda body, n: (200, '{"choices": [trunc', 0)) as srv:
         a, b = _images(2)
         with pytest.raises(JudgeError, match=r"malformed reply from .*served model 'paco-reward-test'"):
-            JudgeClient(f"http://127.0.0.1:{httpd.server_address[1]}/v1", NAME, retries=0).score([(a, b, "x")])
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+            JudgeClient(srv.base_url, NAME, retries=0).score([(a, b, "x")])

@@ -8,13 +8,13 @@ import io
 import json
 import re
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 from PIL import Image, ImageFilter, ImageOps
+
+from fake_openai import FakeOpenAIServer
 
 from paco.core.params import TeacherParams
 from paco.judge.teacher import (
@@ -213,59 +213,6 @@ def test_make_teacher_defaults_and_errors(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-class _FakeServer:
-    """``POST /v1/chat/completions``; ``script(request_json, n) -> (status, body_dict_or_str,
-    delay_s)`` decides each reply (``n`` counts requests from 0)."""
-
-    def __init__(self, script):
-        self.script = script
-        self.requests: list[dict] = []
-        self.headers: list[dict] = []
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # quiet
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer.lock:
-                    n = len(outer.requests)
-                    outer.requests.append(body)
-                    outer.headers.append({k.lower(): v for k, v in self.headers.items()})
-                if self.path != "/v1/chat/completions":
-                    status, reply, delay = 404, {"error": "not found"}, 0
-                else:
-                    status, reply, delay = outer.script(body, n)
-                time.sleep(delay)
-                data = (reply if isinstance(reply, str) else json.dumps(reply)).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except OSError:
-                    pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def _completion(text: str) -> dict:
     return {"id": "x", "object": "chat.completion", "model": "teacher",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
@@ -295,7 +242,7 @@ def _teacher(url: str, **kw) -> OpenAITeacher:
 def test_openai_correct_answer_passes(monkeypatch):
     monkeypatch.setenv("PACO_FAKE_KEY", "sk-fake")
     items = [PairItem("a", _noise(0), _noise(1), True, "a red fox"), PairItem("b", _noise(2), _noise(3), False)]
-    with _FakeServer(_correct) as srv:
+    with FakeOpenAIServer(_correct) as srv:
         t = _teacher(srv.base_url, api_key_env="PACO_FAKE_KEY", concurrency=2)
         res = t.explain(items)
     assert [r.pair_id for r in res] == ["a", "b"]
@@ -319,7 +266,7 @@ def test_openai_correct_answer_passes(monkeypatch):
 
 def test_openai_wrong_answer_is_retried_then_failed():
     item = PairItem("w", _noise(0), _noise(1), True)
-    with _FakeServer(_wrong) as srv:
+    with FakeOpenAIServer(_wrong) as srv:
         res = _teacher(srv.base_url, retries=2).explain([item])[0]
     assert not res.ok and res.response == "" and res.reasons == []
     assert res.attempts == 3 and len(srv.requests) == 3
@@ -333,7 +280,7 @@ def test_openai_unparsable_then_correct():
     def script(body, n):
         return (200, _completion("I think they are consistent."), 0) if n == 0 else _correct(body, n)
 
-    with _FakeServer(script) as srv:
+    with FakeOpenAIServer(script) as srv:
         res = _teacher(srv.base_url).explain([PairItem("u", _noise(0), _noise(1), True)])[0]
     assert res.ok and res.attempts == 2 and len(srv.requests) == 2
 
@@ -343,13 +290,13 @@ def test_openai_5xx_is_retried():
     def script(body, n):
         return (503, {"error": "overloaded"}, 0) if n == 0 else _correct(body, n)
 
-    with _FakeServer(script) as srv:
+    with FakeOpenAIServer(script) as srv:
         res = _teacher(srv.base_url).explain([PairItem("s", _noise(0), _noise(1), False)])[0]
     assert res.ok and res.attempts == 1 and len(srv.requests) == 2 and res.response.startswith("No. <reason>")
 
 
 def test_openai_5xx_forever_fails_with_status_and_url():
-    with _FakeServer(lambda b, n: (500, {"error": {"message": "boom"}}, 0)) as srv:
+    with FakeOpenAIServer(lambda b, n: (500, {"error": {"message": "boom"}}, 0)) as srv:
         res = _teacher(srv.base_url, retries=1).explain([PairItem("s", _noise(0), _noise(1), True)])[0]
     assert not res.ok and res.attempts == 1 and len(srv.requests) == 2
     assert "HTTP 500" in res.error and "boom" in res.error and f"{srv.base_url}/chat/completions" in res.error
@@ -357,14 +304,14 @@ def test_openai_5xx_forever_fails_with_status_and_url():
 
 
 def test_openai_4xx_is_not_retried():
-    with _FakeServer(lambda b, n: (401, {"error": "bad key"}, 0)) as srv:
+    with FakeOpenAIServer(lambda b, n: (401, {"error": "bad key"}, 0)) as srv:
         res = _teacher(srv.base_url).explain([PairItem("k", _noise(0), _noise(1), True)])[0]
     assert not res.ok and res.attempts == 1 and len(srv.requests) == 1
     assert "HTTP 401" in res.error and srv.base_url in res.error
 
 
 def test_openai_timeout_is_bounded():
-    with _FakeServer(lambda b, n: (200, _completion("Yes. <reason>1. late.</reason>"), 1.0)) as srv:
+    with FakeOpenAIServer(lambda b, n: (200, _completion("Yes. <reason>1. late.</reason>"), 1.0)) as srv:
         t0 = time.perf_counter()
         res = _teacher(srv.base_url, timeout_s=0.2, retries=1).explain([PairItem("t", _noise(0), _noise(1), True)])[0]
         elapsed = time.perf_counter() - t0
@@ -391,7 +338,7 @@ def test_openai_unreachable_fails_fast_with_url():
 
 
 def test_openai_malformed_body_is_retried_then_failed():
-    with _FakeServer(lambda b, n: (200, "not json", 0)) as srv:
+    with FakeOpenAIServer(lambda b, n: (200, "not json", 0)) as srv:
         res = _teacher(srv.base_url, retries=1).explain([PairItem("m", _noise(0), _noise(1), True)])[0]
     assert not res.ok and res.attempts == 2 and "malformed" in res.error and srv.base_url in res.error
 

@@ -17,7 +17,9 @@ Two sources (``edits.source``):
   to the file. ``edits.import.languages`` keeps only those instruction languages; then, as the
   reference's ``dataset/GEdit-Bench/preprocess.py``, ``random.seed(split_seed)`` +
   ``random.sample(range(n), test_items)`` pick the test items and the rest is train.
-  ``target_image`` is null.
+  ``target_image`` is null. ``key``, ``instruction`` and ``input_image`` are required;
+  ``instruction_language`` defaults to ``en`` and ``task_type`` to empty when a row has none
+  (the reference uses neither beyond the language filter).
 
 A malformed row (missing or blank instruction, unreadable image, bad language) raises
 :class:`EditsError` naming the file, the row and the reason; with ``edits.strict: false`` it is

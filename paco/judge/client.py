@@ -42,7 +42,7 @@ from typing import Any
 from PIL import Image
 
 from paco.judge.model import canonical_answer
-from paco.judge.templates import NO, YES, build_openai_messages, png_bytes
+from paco.judge.templates import NO, YES, build_openai_messages, openai_error_message, openai_retries, png_bytes
 
 log = logging.getLogger("paco.judge.client")
 
@@ -134,18 +134,6 @@ def _root(base_url: str) -> str:
     return f"{parsed.scheme}://{parsed.netloc}"
 
 
-def _status_error_message(exc: Any) -> str:
-    """The server's own message of an ``openai.APIStatusError`` (OpenAI or vLLM error body)."""
-    body = getattr(exc, "body", None)
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and inner.get("message"):
-            return str(inner["message"])
-        if isinstance(body.get("message"), str):
-            return body["message"]
-    return str(getattr(exc, "message", exc))
-
-
 class JudgeClient:
     """Scores (image A, image B, instruction) triples against an OpenAI-compatible judge, through
     the official ``openai`` client.
@@ -200,7 +188,7 @@ class JudgeClient:
         tries = f"after {self.retries + 1} attempt(s)"
         where = f"judge {what} at {self.base_url} (served model {self.model!r})"
         if isinstance(exc, openai.APIStatusError):
-            message = _status_error_message(exc)
+            message = openai_error_message(exc)
             status = exc.status_code
             refusal = _context_refusal(message) if status == 400 else None
             if refusal is not None:
@@ -210,7 +198,7 @@ class JudgeClient:
                     f"is {limit} positions (prompt + 1 answer token must fit); shorten the instruction "
                     f"(judge_endpoint.instruction: rank, or a shorter theme) or the images. Server: {message}",
                     n, limit)
-            retried = status in (408, 409, 429) or status >= 500
+            retried = openai_retries(status)
             return JudgeError(f"{where} failed (HTTP status {status}{', ' + tries if retried else ', not retried'})"
                               f": {message}")
         if isinstance(exc, openai.APITimeoutError):

@@ -273,13 +273,16 @@ class BatchingJudge:
         max_batch_size: at most this many requests collected per round.
         max_wait_ms: after the first request of a round arrives, wait at most this long for more.
         batching: one of :data:`BATCHING_MODES`; ``auto`` is resolved on the judge's device.
+        track_arrivals: the caller reports requests on their way (:meth:`arriving`), so a round
+            stops waiting for company as soon as none is coming (a server); otherwise a round
+            waits the full ``max_wait_ms``.
 
     Raises:
         ValueError: ``max_batch_size`` < 1, ``max_wait_ms`` < 0, or an unknown ``batching``.
     """
 
     def __init__(self, judge: Any, *, max_batch_size: int = 16, max_wait_ms: float = 10.0,
-                 batching: str = "auto"):
+                 batching: str = "auto", track_arrivals: bool = False):
         if max_batch_size < 1 or max_wait_ms < 0:
             raise ValueError("max_batch_size must be >= 1 and max_wait_ms >= 0")
         self.judge = judge
@@ -295,7 +298,7 @@ class BatchingJudge:
         self.refused = 0  # requests whose input the judge refused (too long, processor error)
         self.busy_since: float | None = None  # monotonic start of the round being computed
         self.preparing = 0  # requests a server is preparing (see arriving)
-        self.track_arrivals = False
+        self.track_arrivals = bool(track_arrivals)
         self._lock = threading.Lock()
         self._token_text: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name="judge-batcher", daemon=True)
@@ -326,11 +329,15 @@ class BatchingJudge:
         return self._token_text[token_id]
 
     def arriving(self, n: int) -> None:
-        """A request starts (``+1``) or ends (``-1``) its preparation before :meth:`submit`; with
-        any counted, :meth:`_collect` stops waiting for company as soon as none is on its way."""
+        """A request starts (``+1``) or ends (``-1``) its preparation before :meth:`submit`
+        (with ``track_arrivals``)."""
         with self._lock:
             self.preparing += n
-            self.track_arrivals = True
+
+    def note_refused(self) -> None:
+        """Count a request whose input was refused before it was queued."""
+        with self._lock:
+            self.refused += 1
 
     def _collect(self, first: _Item) -> tuple[list[_Item], bool]:
         batch, stop = [first], False
@@ -384,8 +391,7 @@ class BatchingJudge:
             it.future.set_result(result)
 
     def _refuse(self, it: _Item, exc: Exception) -> None:
-        with self._lock:
-            self.refused += 1
+        self.note_refused()
         if isinstance(exc, ValueError):
             log.warning("refused a request: %s", exc)
         else:
@@ -781,7 +787,8 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
         ValueError: bad batching settings.
     """
     limits = limits or ServerLimits()
-    batcher = BatchingJudge(judge, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, batching=batching)
+    batcher = BatchingJudge(judge, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, batching=batching,
+                            track_arrivals=True)
     prepare = RequestPreparer(judge, served_model_name, limits, max_logprobs,
                               encode=batcher.batching != "dynamic")
     max_model_len = getattr(judge, "max_model_len", None)
@@ -865,8 +872,7 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
                 stats["rejected"] += 1
                 return error(exc.status, str(exc))
             except ValueError as exc:  # JudgeContextError (vLLM's wording first) or the processor's refusal
-                with batcher._lock:
-                    batcher.refused += 1
+                batcher.note_refused()
                 prefix = "" if isinstance(exc, JudgeContextError) else "judge cannot score this input: "
                 return error(400, f"{prefix}{exc}")
             except Exception as exc:  # noqa: BLE001 - reported to the client as a 500

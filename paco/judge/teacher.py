@@ -75,6 +75,8 @@ from paco.judge.templates import (
     build_openai_messages,
     format_response,
     judge_instruction,
+    openai_error_message,
+    openai_retries,
     parse_response,
     png_bytes,
     sanitize_reason,
@@ -819,9 +821,7 @@ class OpenAITeacher(Teacher):
 
         where = f"{self.url} (model {self.model!r})"
         if isinstance(exc, openai.APIStatusError):
-            body = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else None
-            detail = body.get("message") if isinstance(body, dict) else None
-            return f"HTTP {exc.status_code} from {where}: {detail or exc.message}"
+            return f"HTTP {exc.status_code} from {where}: {openai_error_message(exc)}"
         if isinstance(exc, openai.APITimeoutError):
             return f"timeout after {self.timeout_s:g}s from {where}"
         return f"cannot reach {where}: {type(exc).__name__}: {exc.__cause__ or exc}"
@@ -837,8 +837,7 @@ class OpenAITeacher(Teacher):
             try:
                 raw = self._post(messages, self.retry_temperature if bad_answer else self.temperature)
             except openai.OpenAIError as e:  # the client already retried what is worth retrying
-                status = getattr(e, "status_code", None)
-                retried = status is None or status in (408, 409, 429) or status >= 500
+                retried = openai_retries(getattr(e, "status_code", None))
                 how = f"after the client's {self.retries} retries" if retried else "not retried"
                 return self._fail(item, f"{self._transport_error(e)} (attempt {attempts}, {how})", attempts, raw)
             except ValueError as e:

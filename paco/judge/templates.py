@@ -99,6 +99,8 @@ __all__ = [
     "teacher_instruction",
     "build_messages",
     "build_openai_messages",
+    "openai_error_message",
+    "openai_retries",
     "image_data_url",
     "png_bytes",
     "format_response",
@@ -500,6 +502,25 @@ _MARKER = re.compile(r"(?:(?<=\s)|^)(\d+)\.\s")
 _TAGS = re.compile(r"</?\s*reason\s*>", re.IGNORECASE)
 _ANSWER = re.compile(r"(Yes|No)\b")
 _END_PUNCT = (".", "!", "?", '"', "'", ")")
+
+
+def openai_error_message(exc: Any) -> str:
+    """The server's own message of an ``openai.APIStatusError``: ``body.error.message`` (OpenAI,
+    newer vLLM) or ``body.message`` (older vLLM), else the client's message."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+        if isinstance(body.get("message"), str):
+            return body["message"]
+    return str(getattr(exc, "message", exc))
+
+
+def openai_retries(status: int | None) -> bool:
+    """Whether the official ``openai`` client retries a failure with this HTTP status (``None``:
+    no response, i.e. a connection error or a timeout): 408, 409, 429 and 5xx."""
+    return status is None or status in (408, 409, 429) or status >= 500
 
 
 def sanitize_reason(text: str) -> str:
