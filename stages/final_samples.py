@@ -3,7 +3,7 @@
 ::
 
     accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.final_samples \\
-        --params params.yaml --subtask t2is --prompts data/prompts/prompts.parquet \\
+        --params params.yaml --subtask t2is --items data/prompts/prompts.parquet \\
         --policy data/models/policy_t2is --lora data/grpo/t2is/lora --judge data/reward_merge/model \\
         --clip data/models/clip --out data/final_samples/t2is/samples.parquet --sheets data/final_samples/t2is/sheets \\
         --metrics data/final_samples/t2is/metrics.json
@@ -40,7 +40,8 @@ from paco.grpo.judge_endpoint import (  # noqa: E402
 
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--subtask", required=True, help="key of params.yaml sample.<subtask>")
-    p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet")
+    p.add_argument("--items", type=Path, required=True,
+                   help="the subtask's items: prompts.parquet (dataset prompts) or edits.parquet (dataset edits)")
     p.add_argument("--policy", type=Path, required=True, help="policy model directory (models stage)")
     p.add_argument("--lora", type=Path, required=True, help="LoRA directory (grpo stage)")
     p.add_argument("--judge", type=Path, required=True, help="merged judge directory (reward_merge)")
@@ -53,7 +54,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _body(args: argparse.Namespace, params: Params) -> dict:
     import io
 
-    from paco.grpo.trainer import PROMPT_COLUMNS
+    from paco.grpo.rewards import ITEM_COLUMNS
     from paco.judge.client import JudgeError
     from paco.grpo.rewards import RewardError
     from paco.grpo.final_samples import final_samples
@@ -62,7 +63,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     if not (args.lora / "pytorch_lora_weights.safetensors").is_file():
         raise ArtifactError(f"{args.lora}: no pytorch_lora_weights.safetensors (run grpo@{args.subtask})")
-    prompts = read_parquet(args.prompts, required=PROMPT_COLUMNS)
+    prompts = read_parquet(args.items, required=ITEM_COLUMNS[cfg.dataset])
     accelerator = make_accelerator()
     try:
         with judge_endpoint(params, args.judge, accelerator, None) as url:

@@ -1,9 +1,9 @@
-"""Stage ``grpo@<subtask>``: PaCo-GRPO of the subtask's FLUX policy against PaCo-Reward and CLIP.
+"""Stage ``grpo@<subtask>``: PaCo-GRPO of the subtask's policy against PaCo-Reward (and CLIP).
 
 Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
 
     accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.grpo \\
-        --params params.yaml --subtask t2is --prompts data/prompts/prompts.parquet \\
+        --params params.yaml --subtask t2is --items data/prompts/prompts.parquet \\
         --policy data/models/policy_t2is --judge data/reward_merge/model --clip data/models/clip \\
         --lora data/grpo/t2is/lora --checkpoints data/grpo/t2is/checkpoints \\
         --plots data/grpo/t2is/plots --metrics data/grpo/t2is/metrics.json
@@ -38,7 +38,8 @@ from paco.core.stage import StageOutput, log, run  # noqa: E402
 
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--subtask", required=True, help="key of params.yaml grpo.<subtask>")
-    p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet")
+    p.add_argument("--items", type=Path, required=True,
+                   help="the subtask's items: prompts.parquet (dataset prompts) or edits.parquet (dataset edits)")
     p.add_argument("--policy", type=Path, required=True, help="policy model directory (models stage)")
     p.add_argument("--judge", type=Path, required=True, help="merged judge directory (reward_merge), served "
                    "locally unless judge_endpoint.url is set")
@@ -50,14 +51,15 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
-    from paco.grpo.trainer import PROMPT_COLUMNS, check_splits, train_grpo
+    from paco.grpo.rewards import ITEM_COLUMNS
+    from paco.grpo.trainer import check_splits, train_grpo
     from paco.judge.client import JudgeError
     from paco.grpo.rewards import RewardError
     from paco.core.run_identity import stage_identity_on_main
 
     cfg = subtask_params(params, "grpo", args.subtask)
     logging.getLogger("accelerate").setLevel(logging.WARNING)
-    prompts = read_parquet(args.prompts, required=PROMPT_COLUMNS)
+    prompts = read_parquet(args.items, required=ITEM_COLUMNS[cfg.dataset])
     check_splits(cfg, prompts, f"grpo.{args.subtask}")
     accelerator = make_accelerator()
     identity = stage_identity_on_main(f"grpo@{args.subtask}", args, params, accelerator)

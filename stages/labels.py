@@ -1,5 +1,8 @@
 """Stage ``labels``: chain-of-thought SFT targets for every pair -> ``sft.parquet``.
 
+The pairs: the T2IS pairs (``pairs.parquet`` with their panels) and the editing pairs
+(``edit_pairs.parquet``, each with its own question).
+
 A teacher (``labels.teacher.backend``: ``template`` offline measurements, ``openai`` any
 OpenAI-compatible endpoint, ``local`` a transformers VLM) justifies each pair's known label in
 1-3 numbered reasons; targets are ``Yes. <reason>...</reason>`` / ``No. ...`` (or bare
@@ -14,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import pandas as pd
 from tqdm import tqdm
 
 from paco.judge import labels as L
@@ -27,6 +31,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--panels", type=Path, required=True, help="panels.parquet")
     p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet (themes)")
     p.add_argument("--progress", type=Path, required=True, help="persisted per-chunk results (resume)")
+    p.add_argument("--edit-pairs", type=Path, required=True, help="edit_pairs.parquet (pairs stage; may be empty)")
     p.add_argument("--out", type=Path, required=True, help="sft.parquet to write")
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
@@ -43,7 +48,11 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
     identity = stage_identity("labels", args.params, params=params, args=args)
     resumed = L.prepare_progress(args.progress, identity.digest)
-    table = L.join_pairs(pairs, panels, prompts, instruction=cfg.instruction)
+    from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
+
+    edit_pairs = read_parquet(args.edit_pairs, required=EDIT_PAIR_COLUMNS)
+    table = pd.concat([L.join_pairs(pairs, panels, prompts, instruction=cfg.instruction),
+                       L.join_edit_pairs(edit_pairs)], ignore_index=True).sort_values("pair_id", ignore_index=True)
     discarded = L.discard_invalid_chunks(table, args.progress, chunk_size=cfg.chunk_size)
     resumed -= len(discarded)
     if resumed:

@@ -3,7 +3,9 @@
 Reads ``panels.parquet`` and ``prompts.parquet`` (for the split by prompt), ranks each
 instance's candidates (``pairs.ranking``: ``ground_truth`` drift levels, ConsistencyRank-Bench
 ``annotations``, or ``auto`` CLIP-I with the ``clip`` model), and writes
-``rank_instances.parquet`` and ``pairs.parquet``.
+``rank_instances.parquet`` and ``pairs.parquet``. With ``pairs.editing`` it also reads
+``edits.parquet`` and writes the editing questions' pairs (:mod:`paco.data.edit_pairs`) to
+``edit_pairs.parquet``, which is otherwise written empty.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+import pandas as pd
+
 from paco.data import pairs as P
+from paco.data.edit_pairs import EDIT_PAIR_COLUMNS, make_edit_pairs
 from paco.core.io import ArtifactError, decode_image, read_parquet, write_parquet
 from paco.core.params import Params
 from paco.core.stage import StageOutput, log, run
@@ -27,6 +32,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--annotations", type=Path, required=True, help="rankings (annotations ranking)")
     p.add_argument("--instances", type=Path, required=True, help="rank_instances.parquet to write")
     p.add_argument("--pairs", type=Path, required=True, help="pairs.parquet to write")
+    p.add_argument("--edits", type=Path, required=True, help="edits.parquet (read with pairs.editing)")
+    p.add_argument("--edit-pairs", type=Path, required=True, help="edit_pairs.parquet to write")
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
 
@@ -58,9 +65,17 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     if ranked.empty:
         raise ArtifactError("no ranked instances: nothing to train or evaluate on")
     pairs = P.make_pairs(ranked)
+    edit_pairs, no_target = pd.DataFrame(columns=EDIT_PAIR_COLUMNS), 0
+    if cfg.editing:
+        edits = read_parquet(args.edits, required=["item_id", "split", "subject", "task_type", "instruction",
+                                                   "input_image", "target_image"])
+        edit_pairs, no_target = make_edit_pairs(edits, seed=cfg.seed, repeats=cfg.editing_repeats)
+        if no_target:
+            log.info("%d edit items have no target image (an import): no editing pairs from them", no_target)
     write_parquet(args.instances, ranked)
     write_parquet(args.pairs, pairs)
-    log.info("wrote %d instances and %d pairs", len(ranked), len(pairs))
+    write_parquet(args.edit_pairs, edit_pairs, image_columns=["image_a", "image_b"])
+    log.info("wrote %d instances, %d pairs and %d editing pairs", len(ranked), len(pairs), len(edit_pairs))
     per_prompt = ranked.groupby("prompt_id").size()
     return StageOutput.headline({
         "ranking": cfg.ranking,
@@ -73,7 +88,10 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
             for split, g in ranked.groupby("split")
         },
         "yes_fraction": float(pairs["label"].mean()),
-    }, "instances", "pairs")
+        "edit_pairs": len(edit_pairs),
+        "edit_items_without_target": no_target,
+        "edit_pairs_per_split": {s: int(len(g)) for s, g in edit_pairs.groupby("split")},
+    }, "instances", "pairs", "edit_pairs")
 
 
 def main(argv: list[str] | None = None) -> int:

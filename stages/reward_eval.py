@@ -5,8 +5,11 @@ reference with P(Yes)/(P(Yes)+P(No)) (trained judge ``paco_reward``, base judge 
 ``base_zero_shot``) or CLIP-I cosine (``clip_i``); candidates are ordered by score and compared
 with the reference order: accuracy, Kendall tau, Spearman rho (reference-code and rank-vector
 definitions), top1-bottom1 (paper Table 2), with t-tests against chance and paired tests of the
-trained judge against each baseline. With ``reward_eval.editreward`` set, EditReward-style
-pairwise accuracies per dimension are added (paper Table 1).
+trained judge against each baseline. The editing benchmark (``reward_eval.edit_benchmark``;
+paper Table 1): pairwise preference accuracy per dimension (prompt following, consistency,
+overall = sqrt(PF * SC)), strict and with ties, macro-averaged over task types, for the same
+judges, on the held-out photo edits (``photos``, from ``edit_pairs.parquet``) or an
+EditReward-Bench-format file (``editreward``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=Path, required=True, help="rank_instances.parquet")
     p.add_argument("--panels", type=Path, required=True, help="panels.parquet")
     p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet (themes)")
+    p.add_argument("--edit-pairs", type=Path, required=True, help="edit_pairs.parquet (edit_benchmark photos)")
+    p.add_argument("--editreward", type=Path, required=True, help="EditReward-Bench jsonl (edit_benchmark editreward)")
     p.add_argument("--predictions", type=Path, required=True, help="predictions.parquet to write")
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
@@ -87,11 +92,28 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
             name: E.paired_comparison(preds["paco_reward"], p) for name, p in preds.items() if name != "paco_reward"
         },
     }
-    if cfg.editreward:
-        bench = E.read_edit_benchmark(cfg.editreward)
-        metrics["editreward"] = {
-            name: E.edit_accuracy(bench, j.score, j.score) for name, j in judges.items()
+    if cfg.edit_benchmark != "none":
+        if cfg.edit_benchmark == "photos":
+            from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
+
+            bench = E.photo_edit_benchmark(read_parquet(args.edit_pairs, required=EDIT_PAIR_COLUMNS), cfg.split)
+        else:
+            bench = E.read_edit_benchmark(args.editreward)
+        if bench.empty:
+            raise ArtifactError(f"reward_eval.edit_benchmark {cfg.edit_benchmark}: no instance in split {cfg.split!r} "
+                                "(set edit_benchmark: none to skip the editing benchmark)")
+        edit_scores = {name: E.edit_scores(bench, scorer, templates=cfg.edit_templates, single=(name == "clip_i"))
+                       for name, scorer in scorers.items()}
+        metrics["editing"] = {
+            "benchmark": cfg.edit_benchmark, "templates": cfg.edit_templates, "instances": len(bench),
+            "items": int(bench["item_id"].nunique()),
+            "judges": {name: E.edit_accuracy(sc) for name, sc in edit_scores.items()},
+            "paco_reward_vs": {name: E.edit_paired_comparison(edit_scores["paco_reward"], sc)
+                               for name, sc in edit_scores.items() if name != "paco_reward"},
         }
+        for name, acc in metrics["editing"]["judges"].items():
+            log.info("%-15s editing accuracy: %s", name, "  ".join(
+                f"{d} {a['accuracy']:.3f} (p {a['p_value']:.2g})" for d, a in acc.items()))
     for name, m in metrics["judges"].items():
         log.info("%-15s accuracy %.3f  tau %.3f  top1-bottom1 %.3f  (p vs chance %.2g)", name, m["accuracy"],
                  m["kendall_tau"], m["top1_bottom1"], m["accuracy_vs_chance"].get("p_value", float("nan")))
@@ -103,8 +125,9 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
         "paco_reward_vs": {name: {"accuracy_gain": c.get("mean"), "p_value": c.get("p_value")}
                            for name, c in metrics["paco_reward_vs"].items()},
     }
-    if "editreward" in metrics:
-        headline["editreward"] = metrics["editreward"]
+    if "editing" in metrics:
+        headline["editing"] = {name: {d: a["accuracy"] for d, a in acc.items()}
+                               for name, acc in metrics["editing"]["judges"].items()}
     return StageOutput(headline, metrics)
 
 

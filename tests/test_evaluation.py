@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from paco.judge import evaluation as E
-from paco.core.io import ArtifactError
+from paco.core.io import ArtifactError, decode_image
 
 
 def setup(n_inst=6):
@@ -60,20 +60,69 @@ def test_bad_scores_are_refused(scorer):
         E.rank_predictions(inst, panels, instr, scorer, "broken")
 
 
-def test_edit_benchmark(tmp_path):
+def _bench_scorer(triples):
+    """SC question -> the output's red, PF question -> its green (/255): independent of the judge."""
+    out = []
+    for _, b, text in triples:
+        r, g, _ = b.getpixel((0, 0))
+        out.append((r if "consistency" in text else g) / 255)
+    return out
+
+
+def test_edit_benchmark_accuracy_by_hand(tmp_path):
+    # (dimension, task type, output a colour, output b colour)
+    cases = [("consistency", "colour", (200, 0, 0), (50, 0, 0)),        # SC .78 > .20: win
+             ("instruction_following", "colour", (0, 100, 0), (0, 100, 0)),  # tie: lost strictly, won with >=
+             ("overall", "colour", (100, 100, 0), (200, 25, 0)),         # sqrt(SC*PF) .392 > .277: win
+             ("consistency", "other", (10, 0, 0), (20, 0, 0)),           # lose
+             ("consistency", "colour", (90, 0, 0), (80, 0, 0))]          # win
     recs = []
-    for i, dim in enumerate(["consistency", "instruction_following", "overall", "consistency"]):
-        for name, v in (("in", 0), ("a", 200), ("b", 50)):
-            Image.new("RGB", (8, 8), (v, 0, 0)).save(tmp_path / f"{name}{i}.png")
-        recs.append({"instruction": "make it red", "input_image": f"in{i}.png", "output_a": f"a{i}.png",
-                     "output_b": f"b{i}.png", "dimension": dim})
+    for i, (dim, task, a, b) in enumerate(cases):
+        for name, colour in (("in", (0, 0, 0)), ("a", a), ("b", b)):
+            Image.new("RGB", (8, 8), colour).save(tmp_path / f"{name}{i}.png")
+        recs.append({"id": f"e{i}", "instruction": "make it red", "input_image": f"in{i}.png", "output_a": f"a{i}.png",
+                     "output_b": f"b{i}.png", "dimension": dim, "task_type": task})
     path = tmp_path / "bench.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in recs))
     bench = E.read_edit_benchmark(path)
-    scorer = lambda t: [b.getpixel((0, 0))[0] / 255 for _, b, _ in t]  # noqa: E731
-    acc = E.edit_accuracy(bench, scorer, scorer)
-    assert acc == {"consistency": {"accuracy": 1.0, "n": 2}, "instruction_following": {"accuracy": 1.0, "n": 1},
-                   "overall": {"accuracy": 1.0, "n": 1}}
+    scores = E.edit_scores(bench, _bench_scorer, templates="bench")
+    overall = scores.set_index("instance_id").loc["e2"]
+    assert overall["score_a"] == pytest.approx(np.sqrt(100 / 255 * 100 / 255))
+    assert overall["score_b"] == pytest.approx(np.sqrt(200 / 255 * 25 / 255))
+    acc = E.edit_accuracy(scores)
+    assert acc["consistency"]["accuracy"] == pytest.approx(2 / 3) and acc["consistency"]["n"] == 3
+    assert acc["consistency"]["accuracy_macro"] == pytest.approx(0.5)  # colour 2/2, other 0/1
+    assert acc["instruction_following"]["accuracy"] == 0.0 and acc["instruction_following"]["accuracy_ge"] == 1.0
+    assert acc["overall"]["accuracy"] == 1.0
+    assert acc["consistency"]["p_value"] == pytest.approx(0.5)  # P(X >= 2), X ~ Bin(3, 1/2)
+    # CLIP-I style: one score for every dimension (here the red channel)
+    single = E.edit_scores(bench, _bench_scorer, single=True).set_index("instance_id")
+    assert single.loc["e2", "score_a"] == pytest.approx(100 / 255)
     path.write_text(json.dumps({"instruction": "x"}))
     with pytest.raises(ArtifactError, match="missing key"):
         E.read_edit_benchmark(path)
+
+
+def test_photo_edit_benchmark_prefers_the_correct_edit():
+    from paco.data.edit_pairs import make_edit_pairs
+    from paco.data.edits import photo_edits
+
+    edits = photo_edits(["cat", "coffee", "rocket"], ["greyscale", "mirror"], 32, 1, 0)
+    pairs, _ = make_edit_pairs(edits, seed=0, repeats=2)
+    bench = E.photo_edit_benchmark(pairs, "test")
+    test_items = sorted(edits.loc[edits["split"] == "test", "item_id"])
+    assert sorted(bench["item_id"].unique()) == test_items
+    assert len(bench) == 6 * len(test_items) and bench["instance_id"].is_unique  # no mirrored copies
+    # an oracle that knows the correct edit wins every instance; its inverse loses every one
+    targets = {iid: np.asarray(decode_image(t)) for iid, t in zip(edits["item_id"], edits["target_image"])}
+    correct = {id(r.output_a) for r in bench.itertuples()}
+
+    def oracle(triples):
+        return [1.0 if id(b) in correct else 0.0 for _, b, _ in triples]
+
+    acc = E.edit_accuracy(E.edit_scores(bench, oracle, templates="reward"))
+    assert all(v["accuracy"] == 1.0 for v in acc.values()) and set(acc) == set(E.EDIT_DIMENSIONS)
+    assert all(np.array_equal(np.asarray(r.output_a), targets[r.item_id]) for r in bench.itertuples())
+    worse = E.edit_scores(bench, lambda t: [1.0 - x for x in oracle(t)], templates="reward")
+    cmp = E.edit_paired_comparison(E.edit_scores(bench, oracle, templates="reward"), worse)
+    assert cmp["overall"]["mean"] == 1.0

@@ -141,12 +141,12 @@ def test_epoch_plan_is_seeded_unique_and_partitions():
 def test_group_initial_noise_is_shared_only_when_asked(tiny_model_dirs, same):
     from paco.grpo.trainer import sample_group
     from paco.models.loading import load_flux_pipeline
-    from paco.grpo.policy import FluxPolicy
+    from paco.grpo.policies import FluxPolicy
 
     cfg = _cfg(rollout=dict(sde_indices=[0], same_initial_noise=same))
     prompt = R.PromptInfo.from_row(_prompts().iloc[0].to_dict())
     policy = FluxPolicy(load_flux_pipeline(tiny_model_dirs["policy_t2is"]), None, max_sequence_length=32)
-    trajs, images = sample_group(policy, prompt, policy.encode_prompts([prompt.prompt]), [0, 1, 2], cfg, 0, 64, 64,
+    trajs, images = sample_group(policy, prompt, policy.condition([prompt], 64, 64), [0, 1, 2], cfg, 0, 64, 64,
                                  base_index=0)
     x0 = [t.latents[0, 0] for t in trajs]  # the latent entering step 0: the initial noise
     assert torch.equal(x0[0], x0[1]) == same and torch.equal(x0[1], x0[2]) == same
@@ -185,7 +185,7 @@ def test_the_trainer_climbs_a_learnable_reward(red_run):
 
 def test_saved_lora_loads_into_the_pipeline_and_reproduces_the_policy(red_run, tiny_model_dirs):
     from paco.models.loading import load_flux_pipeline
-    from paco.grpo.policy import FluxPolicy
+    from paco.grpo.policies import FluxPolicy
 
     _, _, out = red_run
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
@@ -196,7 +196,7 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_the_policy(red_run, t
         if with_lora:
             pipe.load_lora_weights(str(out / "lora"))
         pol = FluxPolicy(pipe, None, max_sequence_length=32)
-        roll = pol.generate(pol.encode_prompts([prompt]), height=64, width=64, num_steps=4, noise_level=0.0,
+        roll = pol.generate(pol.condition([R.PromptInfo("p", prompt, "", 1, 1, (prompt,))], 64, 64), height=64, width=64, num_steps=4, noise_level=0.0,
                           sde_indices=[], noise_generators=[torch.Generator().manual_seed(0)])
         images[with_lora] = np.asarray(pol.decode(roll.final_latents, 64, 64)[0], dtype=np.float64)
     assert np.abs(images[True] - images[False]).mean() > 0.5  # the LoRA changes the image
@@ -460,3 +460,65 @@ def test_overlapped_rewards_equal_scoring_after_sampling(tiny_model_dirs, tmp_pa
     a, b = (load_file(str(tmp_path / f"lora{o}" / "pytorch_lora_weights.safetensors")) for o in (False, True))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert 0.0 < on["train_final"]["consistency_mean"] < 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# an editing subtask: FLUX.1 Kontext on photo edits
+# --------------------------------------------------------------------------------------------
+
+
+@R.register("test_match_reference")
+def _match_reference(images, prompts, ctx):
+    """A reward an editing policy can move: minus the mean absolute difference to the input image."""
+    out = []
+    for im, p in zip(images, prompts, strict=True):
+        a = np.asarray(im, dtype=np.float64) / 255.0
+        b = np.asarray(p.reference.convert("RGB").resize(im.size), dtype=np.float64) / 255.0
+        out.append(-np.abs(a - b).mean())
+    return np.array(out)
+
+
+def _edits() -> pd.DataFrame:
+    from paco.data.edits import photo_edits
+
+    return photo_edits(["cat", "coffee", "rocket"], ["greyscale", "mirror"], 64, 1, 0)
+
+
+def _kontext_cfg(**over) -> GrpoSubtaskParams:
+    base = _cfg(policy="policy_kontext", family="flux_kontext", dataset="edits", rewards={"test_match_reference": 1.0},
+                rollout=dict(guidance_scale=2.5), train=dict(global_std=False))
+    return GrpoSubtaskParams.model_validate({**base.model_dump(), **over})
+
+
+def test_an_editing_subtask_trains_resumes_and_saves_a_kontext_lora(tiny_model_dirs, tmp_path):
+    from diffusers import FluxKontextPipeline
+    from safetensors.torch import load_file
+
+    cfg, edits, policy = _kontext_cfg(), _edits(), tiny_model_dirs["policy_kontext"]
+    full = _train(cfg, edits, policy, R.RewardContext(), lora_dir=tmp_path / "a", checkpoints_dir=tmp_path / "cka")
+    assert full["first_update_ratio_max_abs_deviation"] == 0.0
+    assert full["train_prompts"] == 4 and full["eval_prompts"] == 2  # 2 train photos x 2 edits; the test photo's
+    with pytest.raises(_Stop):
+        _train(cfg, edits, policy, R.RewardContext(), lora_dir=tmp_path / "b", checkpoints_dir=tmp_path / "ckb",
+               callback=_stop_after(2))
+    resumed = _train(cfg, edits, policy, R.RewardContext(), lora_dir=tmp_path / "b", checkpoints_dir=tmp_path / "ckb")
+    assert resumed["resumed_from"] == "epoch-0002"
+    a = load_file(str(tmp_path / "a" / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(tmp_path / "b" / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert full["learning_signal"] == resumed["learning_signal"]
+    # the LoRA is Kontext's: the pipeline's own loader takes it and it changes the edit
+    pipe = FluxKontextPipeline.from_pretrained(str(policy), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    photo = R.PromptInfo.from_edit_row(edits.iloc[0].to_dict()).reference
+    kw = dict(image=photo, prompt="make it grey", height=64, width=64, num_inference_steps=3, guidance_scale=2.5,
+              max_sequence_length=32, output_type="np", _auto_resize=False, max_area=64 * 64)
+    before = pipe(generator=torch.Generator().manual_seed(0), **kw).images
+    pipe.load_lora_weights(str(tmp_path / "a"))
+    after = pipe(generator=torch.Generator().manual_seed(0), **kw).images
+    assert np.abs(after - before).mean() > 1e-3
+
+
+def test_a_text_to_image_family_cannot_take_edits():
+    with pytest.raises(ValueError, match="family 'flux' needs dataset 'prompts'"):
+        _cfg(dataset="edits")

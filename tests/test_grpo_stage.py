@@ -59,7 +59,7 @@ def _launch_grpo(processes: int, params: Path, prompts: Path, dirs: dict, out: P
                  timeout: int = 900) -> subprocess.CompletedProcess:
     """``accelerate launch`` (CPU config) of the grpo stage with ``processes`` processes."""
     cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", str(processes),
-           "-m", "stages.grpo", "--params", str(params), "--subtask", "t2is", "--prompts", str(prompts),
+           "-m", "stages.grpo", "--params", str(params), "--subtask", "t2is", "--items", str(prompts),
            "--policy", str(dirs["policy_t2is"]), "--judge", str(dirs["judge_base"]), "--clip", str(dirs["clip"]),
            "--lora", str(out / "lora"), "--checkpoints", str(out / "ck"), "--plots", str(out / "plots"),
            "--metrics", str(out / "metrics.json")]
@@ -73,7 +73,7 @@ def test_dead_judge_url_fails_the_stage_with_the_url(tiny_model_dirs, tmp_path, 
     params = _params(tmp_path, url=url, retries=1, timeout_s=2)
     out = tmp_path / "grpo"
     proc = _run("stages.grpo", [
-        "--params", str(params), "--subtask", "t2is", "--prompts", str(_prompts(tmp_path / "prompts.parquet")),
+        "--params", str(params), "--subtask", "t2is", "--items", str(_prompts(tmp_path / "prompts.parquet")),
         "--policy", str(tiny_model_dirs["policy_t2is"]), "--judge", str(tmp_path / "unused"),
         "--clip", str(tiny_model_dirs["clip"]), "--lora", str(out / "lora"), "--checkpoints", str(out / "ck"),
         "--plots", str(out / "plots"), "--metrics", str(out / "metrics.json")])
@@ -84,9 +84,9 @@ def test_dead_judge_url_fails_the_stage_with_the_url(tiny_model_dirs, tmp_path, 
 
 def test_unknown_subtask_is_a_params_error(tiny_model_dirs, tmp_path):
     proc = _run("stages.grpo", [
-        "--params", str(_params(tmp_path)), "--subtask", "kontext_editing", "--prompts", "x", "--policy", "x",
+        "--params", str(_params(tmp_path)), "--subtask", "no_such_subtask", "--items", "x", "--policy", "x",
         "--judge", "x", "--clip", "x", "--lora", "x", "--checkpoints", "x", "--plots", "x", "--metrics", "x"])
-    assert proc.returncode == 2 and "grpo.kontext_editing does not exist" in proc.stderr
+    assert proc.returncode == 2 and "grpo.no_such_subtask does not exist" in proc.stderr
 
 
 def test_a_split_typo_is_one_clear_message(tiny_model_dirs, tmp_path):
@@ -95,7 +95,7 @@ def test_a_split_typo_is_one_clear_message(tiny_model_dirs, tmp_path):
     raw["grpo"]["t2is"]["split"] = "trian"
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
     proc = _run("stages.grpo", [
-        "--params", str(params), "--subtask", "t2is", "--prompts", str(_prompts(tmp_path / "prompts.parquet")),
+        "--params", str(params), "--subtask", "t2is", "--items", str(_prompts(tmp_path / "prompts.parquet")),
         "--policy", "x", "--judge", "x", "--clip", "x", "--lora", "x", "--checkpoints", "x", "--plots", "x",
         "--metrics", str(tmp_path / "m.json")])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -107,7 +107,7 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     params = _params(tmp_path)
     prompts = _prompts(tmp_path / "prompts.parquet")
     g, s = tmp_path / "grpo", tmp_path / "sample"
-    common = ["--params", str(params), "--subtask", "t2is", "--prompts", str(prompts),
+    common = ["--params", str(params), "--subtask", "t2is", "--items", str(prompts),
               "--policy", str(tiny_model_dirs["policy_t2is"]), "--judge", str(tiny_model_dirs["judge_base"]),
               "--clip", str(tiny_model_dirs["clip"])]
     proc = _run("stages.grpo", common + ["--lora", str(g / "lora"), "--checkpoints", str(g / "ck"),
@@ -162,7 +162,7 @@ def test_two_gloo_processes_give_the_one_process_result(tiny_model_dirs, tmp_pat
     from paco.core.seeding import stable_seed
     from paco.models.loading import load_flux_pipeline
     from paco.core.params import load_params
-    from paco.grpo.policy import FluxPolicy
+    from paco.grpo.policies import FluxPolicy
 
     cfg = load_params(params).grpo["t2is"]
     init = FluxPolicy(load_flux_pipeline(tiny_model_dirs["policy_t2is"]), cfg.lora,

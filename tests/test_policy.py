@@ -1,21 +1,51 @@
-"""The FLUX policy: ODE sampling equals FluxPipeline, SDE transitions re-score exactly, adapters."""
+"""The policy families: ODE sampling equals each diffusers pipeline, SDE transitions re-score
+exactly, adapters, Kontext's sequence layout."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from paco.models.loading import load_flux_pipeline
 from paco.core.params import PolicyLoraParams
-from paco.grpo.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, grid_size
+from paco.grpo.policies import (
+    OLD_ADAPTER,
+    TRAINED_ADAPTER,
+    Conditioning,
+    FluxKontextPolicy,
+    FluxPolicy,
+    grid_size,
+    load_policy,
+    policy_class,
+)
+from paco.grpo.rewards import PromptInfo
+from paco.models.loading import load_flux_pipeline, load_pipeline
 
 PROMPTS = ["a tabby cat on a cushion", "two red kites over a beach"]
+
+
+def _infos(texts, refs=None) -> list[PromptInfo]:
+    refs = refs or [None] * len(texts)
+    return [PromptInfo(f"p{i}", t, "", 1, 1, (t,), r) for i, (t, r) in enumerate(zip(texts, refs))]
+
+
+def _photo(seed: int, size=(80, 64)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_dirs) -> FluxPolicy:
     pipe = load_flux_pipeline(tiny_model_dirs["policy_t2is"])
     return FluxPolicy(pipe, PolicyLoraParams(rank=4, alpha=8), max_sequence_length=32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def kontext(tiny_model_dirs) -> FluxKontextPolicy:
+    pipe = load_pipeline(tiny_model_dirs["policy_kontext"], "FluxKontextPipeline", FluxKontextPolicy.components)
+    return FluxKontextPolicy(pipe, PolicyLoraParams(rank=4, alpha=8), max_sequence_length=32, guidance_scale=2.5,
+                             seed=0)
 
 
 def _gens(n: int, offset: int = 0) -> list[torch.Generator]:
@@ -27,25 +57,87 @@ def test_noise_level_zero_reproduces_flux_pipeline_exactly(tiny_model_dirs, poli
     ref = pipe(prompt=PROMPTS, height=64, width=96, num_inference_steps=5, guidance_scale=3.5, max_sequence_length=32,
                generator=_gens(2), output_type="latent").images
     # LoRA B starts at zero, so the trained adapter is the base model; SDE steps with a = 0
-    roll = policy.generate(policy.encode_prompts(PROMPTS), height=64, width=96, num_steps=5, noise_level=0.0,
-                         sde_indices=[1, 3], noise_generators=_gens(2))
+    roll = policy.generate(policy.condition(_infos(PROMPTS), 64, 96), height=64, width=96, num_steps=5,
+                           noise_level=0.0, sde_indices=[1, 3], noise_generators=_gens(2))
     assert torch.equal(roll.final_latents, ref.float())
 
 
-def test_sde_transitions_rescore_to_the_sampled_log_prob(policy):
-    emb = policy.encode_prompts(PROMPTS)
-    roll = policy.generate(emb, height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
-                         noise_generators=_gens(2), sde_generators=_gens(2, 10))
-    assert roll.latents.shape[:3] == (2, 2, 2) and roll.log_probs.shape == (2, 2)
-    for j, step in enumerate(roll.sde_indices):
-        lp, mean, std = policy.transition_log_prob(roll.latents[:, j, 0], roll.latents[:, j, 1], roll.sigmas[step],
-                                                   roll.sigmas[step + 1], roll.timesteps[step], emb, 64, 64, 0.7)
-        torch.testing.assert_close(lp, roll.log_probs[:, j], rtol=0, atol=1e-6)
-        assert std.shape == (2, 1, 1) and torch.all(std > 0)
-    # a row's sample depends only on its own generators, not on the batch
-    solo = policy.generate(emb.select([1]), height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
-                         noise_generators=_gens(1, 1), sde_generators=_gens(1, 11))
-    torch.testing.assert_close(solo.final_latents[0], roll.final_latents[1], rtol=0, atol=1e-5)
+def test_noise_level_zero_reproduces_flux_kontext_pipeline_exactly(tiny_model_dirs, kontext):
+    from diffusers import FluxKontextPipeline
+
+    refs = [_photo(0, (96, 64)), _photo(1, (96, 64))]  # at the output size: neither side resizes
+    pipe = FluxKontextPipeline.from_pretrained(str(tiny_model_dirs["policy_kontext"]), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(image=refs, prompt=PROMPTS, height=64, width=96,
+               num_inference_steps=5, guidance_scale=2.5, max_sequence_length=32, generator=_gens(2),
+               output_type="latent", _auto_resize=False, max_area=64 * 96).images
+    roll = kontext.generate(kontext.condition(_infos(PROMPTS, refs), 64, 96), height=64, width=96, num_steps=5,
+                            noise_level=0.0, sde_indices=[1], noise_generators=_gens(2))
+    assert torch.equal(roll.final_latents, ref.float())
+
+
+def test_kontext_sequence_layout(kontext):
+    """Reference latents follow the noise in the sequence with position axis 0 = 1; the
+    prediction covers the noise part only (computed here from the transformer by hand)."""
+    refs = [_photo(3, (64, 64))]
+    cond = kontext.condition(_infos(PROMPTS[:1], refs), 64, 64)
+    seq = (64 // 16) ** 2
+    assert cond["image_latents"].shape == (1, seq, 64) and cond["img_ids"].shape == (2 * seq, 3)
+    assert torch.equal(cond["img_ids"][:seq, 0], torch.zeros(seq)) and torch.equal(cond["img_ids"][seq:, 0],
+                                                                                     torch.ones(seq))
+    assert torch.equal(cond["img_ids"][:seq, 1:], cond["img_ids"][seq:, 1:])  # same spatial grid
+    # the reference latents are the VAE's mode of the image, shifted and scaled like the noise
+    pipe = kontext.pipe
+    x = pipe.image_processor.preprocess(refs[0], 64, 64)
+    z = (pipe.vae.encode(x).latent_dist.mode() - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    torch.testing.assert_close(cond["image_latents"], pipe._pack_latents(z, 1, 16, 8, 8), rtol=0, atol=0)
+    noise = torch.randn(1, seq, 64, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([700.0])
+    with torch.no_grad():
+        v = kontext.velocity(noise, t, cond)
+        full = kontext.transformer(hidden_states=torch.cat([noise, cond["image_latents"]], 1), timestep=t / 1000,
+                                   guidance=torch.tensor([2.5]), pooled_projections=cond["pooled"],
+                                   encoder_hidden_states=cond["prompt_embeds"], txt_ids=cond["text_ids"],
+                                   img_ids=cond["img_ids"], return_dict=False)[0]
+        other = kontext.velocity(noise, t, kontext.condition(_infos(PROMPTS[:1], [_photo(4, (64, 64))]), 64, 64))
+    assert full.shape == (1, 2 * seq, 64) and v.shape == (1, seq, 64)
+    assert torch.equal(v, full[:, :seq])
+    assert not torch.allclose(v, other)  # the reference is attended to
+
+
+def test_kontext_reference_aspect_switch(kontext):
+    wide = _photo(5, (128, 64))
+    keep = kontext.condition(_infos(["x"], [wide]), 32, 64)
+    assert keep["image_latents"].shape[1] == (32 // 16) * (64 // 16)
+    kontext.reference_aspect = "square"  # the released trainer: squashed to min(h, w) square
+    try:
+        square = kontext.condition(_infos(["x"], [wide]), 32, 64)
+    finally:
+        kontext.reference_aspect = "keep"
+    assert square["image_latents"].shape[1] == (32 // 16) ** 2
+    assert square["img_ids"].shape[0] == 8 + 4
+
+
+def test_an_editing_family_refuses_a_prompt_without_reference(kontext):
+    with pytest.raises(ValueError, match="no reference"):
+        kontext.condition(_infos(["x"]), 32, 32)
+
+
+def test_sde_transitions_rescore_to_the_sampled_log_prob(policy, kontext):
+    for pol, refs in ((policy, None), (kontext, [_photo(6, (64, 64)), _photo(7, (64, 64))])):
+        emb = pol.condition(_infos(PROMPTS, refs), 64, 64)
+        roll = pol.generate(emb, height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
+                            noise_generators=_gens(2), sde_generators=_gens(2, 10))
+        assert roll.latents.shape[:3] == (2, 2, 2) and roll.log_probs.shape == (2, 2)
+        for j, step in enumerate(roll.sde_indices):
+            lp, mean, std = pol.transition_log_prob(roll.latents[:, j, 0], roll.latents[:, j, 1], roll.sigmas[step],
+                                                    roll.sigmas[step + 1], roll.timesteps[step], emb, 0.7)
+            torch.testing.assert_close(lp, roll.log_probs[:, j], rtol=0, atol=1e-6)
+            assert std.shape == (2, 1, 1) and torch.all(std > 0)
+        # a row's sample depends only on its own generators, not on the batch
+        solo = pol.generate(emb.select([1]), height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
+                            noise_generators=_gens(1, 1), sde_generators=_gens(1, 11))
+        torch.testing.assert_close(solo.final_latents[0], roll.final_latents[1], rtol=0, atol=1e-5)
 
 
 def test_adapters_old_trained_and_reference(policy):
@@ -53,21 +145,20 @@ def test_adapters_old_trained_and_reference(policy):
     old = policy.adapter_parameters(OLD_ADAPTER)
     assert len(trained) == len(old) > 0
     assert all(p.requires_grad for p in trained.values()) and not any(p.requires_grad for p in old.values())
-    emb = policy.encode_prompts(PROMPTS[:1])
+    emb = policy.condition(_infos(PROMPTS[:1]), 64, 64)
     x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(0))
-    ids = policy.latent_ids(1, 64, 64)
     t = torch.tensor([800.0])
     with torch.no_grad():
-        base = policy.velocity(x, t, emb, ids)
+        base = policy.velocity(x, t, emb)
         b_params = [p for n, p in trained.items() if "lora_B" in n]
         saved = [p.clone() for p in b_params]
         for p in b_params:
             p.add_(0.5)
-        moved = policy.velocity(x, t, emb, ids)
+        moved = policy.velocity(x, t, emb)
         with policy.using(OLD_ADAPTER):
-            old_v = policy.velocity(x, t, emb, ids)
+            old_v = policy.velocity(x, t, emb)
         with policy.using(None):
-            ref_v = policy.velocity(x, t, emb, ids)
+            ref_v = policy.velocity(x, t, emb)
         for p, s in zip(b_params, saved):
             p.copy_(s)
     assert not torch.allclose(moved, base)
@@ -75,10 +166,33 @@ def test_adapters_old_trained_and_reference(policy):
     assert all(p.requires_grad for p in trained.values())  # trained adapter active again
 
 
+def test_conditionings_of_different_sizes_do_not_concatenate(policy):
+    a = policy.condition(_infos(PROMPTS[:1]), 64, 64)
+    b = policy.condition(_infos(PROMPTS[1:]), 64, 96)
+    assert Conditioning.cat([a, a]).batch == 2
+    with pytest.raises(ValueError, match="different layouts or sizes"):
+        Conditioning.cat([a, b])
+
+
 def test_lora_targets_must_exist(tiny_model_dirs):
     pipe = load_flux_pipeline(tiny_model_dirs["policy_t2is"])
     with pytest.raises(ValueError, match="no_such_proj"):
         FluxPolicy(pipe, PolicyLoraParams(rank=2, alpha=2, target_modules=["attn.to_q", "no_such_proj"]))
+
+
+def test_families_by_name_and_their_options(tiny_model_dirs):
+    from types import SimpleNamespace
+
+    assert policy_class("flux_kontext") is FluxKontextPolicy
+    with pytest.raises(ValueError, match="unknown policy family 'sd3'"):
+        policy_class("sd3")
+    with pytest.raises(ValueError, match="needs the settings \\['reference_aspect'\\]"):
+        load_policy("flux_kontext", tiny_model_dirs["policy_kontext"], None,
+                    SimpleNamespace(max_sequence_length=32, guidance_scale=2.5))
+    # the released Kontext config loads FLUX.1-dev: a FluxPipeline directory runs as Kontext
+    pol = load_policy("flux_kontext", tiny_model_dirs["policy_t2is"], None,
+                      SimpleNamespace(max_sequence_length=32, guidance_scale=2.5, reference_aspect="keep"))
+    assert type(pol.pipe).__name__ == "FluxKontextPipeline" and pol.edits
 
 
 @pytest.mark.parametrize("h,w,res,expected", [(1024, 1024, 512, (512, 512)), (512, 1536, 512, (288, 880)),

@@ -80,8 +80,8 @@ def test_code_closure_follows_function_level_and_lazy_imports(tmp_path, monkeypa
 
 
 def test_foreach_members_take_their_item():
-    params = {"grpo": {"a": {"policy": "p1", "resources": {"processes": 3, "accelerate_config": "ddp"}},
-                       "b": {"policy": "p2"}},
+    params = {"grpo": {"a": {"policy": "p1", "dataset": "prompts", "resources": {"processes": 3, "accelerate_config": "ddp"}},
+                       "b": {"policy": "p2", "dataset": "edits"}},
               "resources": {"default": {"processes": 1, "gpus": 0}}}
     stage = registry.by_name("grpo@a")
     assert stage.name == "grpo"
@@ -89,7 +89,8 @@ def test_foreach_members_take_their_item():
     assert (a.dvc_name, a.rule_name, b.dvc_name) == ("grpo@a", "grpo_a", "grpo@b")
     assert "--num_processes 3" in a.resolve(stage.cmd, params)
     assert "workflow/accelerate/ddp.yaml" in a.resolve(stage.cmd, params)
-    assert "data/models/p2" in " ".join(b.deps(params))
+    assert "data/models/p2" in " ".join(b.deps(params)) and "data/edits/edits.parquet" in b.deps(params)
+    assert "data/prompts/prompts.parquet" in a.deps(params)
     assert a.resources(params)["processes"] == 3 and b.resources(params) == {"processes": 1, "gpus": 0}
     assert a.params_sections({**params, "judge_endpoint": {"x": 1}, "subfigures": {}})["grpo.a"]["policy"] == "p1"
     with pytest.raises(KeyError, match="final_samples"):
@@ -127,10 +128,12 @@ def test_dvc_and_snakemake_have_the_same_edges():
     assert dvc == smk
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     names = {m.rule_name for s in registry.STAGES for m in s.members(params)}
-    # every stage is on an edge but params_check, which stands alone (it only validates the file),
-    # and edits, whose consumers (the editing subtasks' GRPO stages, issue 10) do not exist yet
-    assert {n for e in dvc for n in e} == names - {"params_check", "edits"}
-    assert {"grpo_t2is", "final_samples_t2is"} <= names
+    # every stage is on an edge but params_check, which stands alone (it only validates the file)
+    assert {n for e in dvc for n in e} == names - {"params_check"}
+    assert {"grpo_t2is", "final_samples_t2is", "grpo_kontext_editing", "final_samples_kontext_editing"} <= names
+    # a subtask's items follow its dataset: edits feed the editing subtasks only
+    assert ("edits", "grpo_kontext_editing") in dvc and ("edits", "grpo_t2is") not in dvc
+    assert ("prompts", "grpo_t2is") in dvc and ("prompts", "grpo_kontext_editing") not in dvc
 
 
 def test_accelerate_stages_check_params_before_launching(tmp_path):
@@ -162,7 +165,14 @@ def test_deps_follow_the_params_that_select_them():
     assert "${pairs.annotations}" in deps["pairs"] and "data/models/clip" not in deps["pairs"]
     assert "data/models/judge_base" not in deps["reward_eval"] and "data/models/clip" in deps["reward_eval"]
     member = registry.by_name("pairs").members(params)[0]
-    assert member.deps(params)[-1] == params["pairs"]["annotations"]  # resolved for both engines
+    assert params["pairs"]["annotations"] in member.deps(params)  # resolved for both engines
+    # the editing pairs read the edits only when asked; the editing benchmark reads what it names
+    assert "data/edits/edits.parquet" in deps["pairs"] and "data/pairs/edit_pairs.parquet" in deps["reward_eval"]
+    params["pairs"]["editing"] = False
+    params["reward_eval"]["edit_benchmark"] = "editreward"
+    deps = {s: registry.render_dvc(params)["stages"][s]["deps"] for s in ("pairs", "reward_eval")}
+    assert "data/edits/edits.parquet" not in deps["pairs"]
+    assert "data/pairs/edit_pairs.parquet" not in deps["reward_eval"] and "${reward_eval.editreward}" in deps["reward_eval"]
 
 
 def test_params_check_refuses_a_dvc_yaml_rendered_for_other_params(tmp_path):
@@ -199,15 +209,17 @@ def test_model_roles_come_from_the_params():
     from paco.core.params import ParamsError, validate_params
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    assert registry.model_roles(params) == ("judge_base", "policy_t2is", "clip")
-    params["models"]["policy_kontext"] = "tiny:flux"
-    params["grpo"]["kontext"] = {**params["grpo"]["t2is"], "policy": "policy_kontext"}
+    assert registry.model_roles(params) == ("judge_base", "policy_t2is", "clip", "policy_kontext")
+    params["models"]["policy_other"] = "tiny:flux"
+    params["grpo"]["other"] = {**params["grpo"]["t2is"], "policy": "policy_other"}
     models = next(s for s in registry.STAGES if s.name == "models")
     assert models.active_out_dirs(params) == tuple(f"data/models/{r}" for r in
-                                                   ("judge_base", "policy_t2is", "clip", "policy_kontext"))
+                                                   ("judge_base", "policy_t2is", "clip", "policy_kontext",
+                                                    "policy_other"))
     rendered = registry.render_dvc(params)["stages"]
-    assert "data/models/policy_kontext" in rendered["models"]["outs"]
-    assert validate_params(params, source="x").models.roles()["policy_kontext"] == "tiny:flux"
+    assert "data/models/policy_other" in rendered["models"]["outs"]
+    assert validate_params(params, source="x").models.roles()["policy_other"] == "tiny:flux"
+    params["grpo"]["kontext"] = params["grpo"]["other"]
     params["grpo"]["kontext"]["policy"] = "policy_nope"
     with pytest.raises(ParamsError, match="policy_nope"):
         validate_params(params, source="x")

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from paco.core.io import ImageDecodeError
+from paco.grpo import rewards as R
 from paco.models.clip import ClipScorer
 from paco.grpo.rewards import REWARDS, PromptInfo, RewardContext, RewardError, compute_rewards
 from paco.judge.templates import judge_instruction
@@ -139,3 +141,21 @@ def test_editing_reward_needs_the_input_image():
     with pytest.raises(RewardError, match="no reference"):
         compute_rewards(["consistency_for_editing"], [Image.new("RGB", (8, 8))], [prompt],
                         RewardContext(judge=RecordingJudge()))
+
+
+def test_subtask_items_read_prompts_and_edits_alike():
+    from paco.data.edits import photo_edits
+
+    edits = photo_edits(["cat", "rocket"], ["mirror"], 32, 1, 0)
+    items, infos = R.subtask_items(edits, "edits")
+    assert list(items.columns) == ["prompt_id", "split", "height", "width"]
+    assert list(items["prompt_id"]) == list(edits["item_id"])
+    info = infos["cat-mirror"]
+    assert info.prompt == edits.set_index("item_id").loc["cat-mirror", "instruction"]
+    assert (info.rows, info.cols) == (1, 1) and info.reference.size == (32, 32)
+    bad = edits.copy()
+    bad.at[0, "input_image"] = {"bytes": b"not a png", "path": None}
+    with pytest.raises(ImageDecodeError, match=f"edit {bad.at[0, 'item_id']} input_image"):
+        R.subtask_items(bad, "edits")
+    with pytest.raises(ValueError, match="unknown dataset"):
+        R.subtask_items(edits, "composites")

@@ -460,6 +460,8 @@ STAGES: tuple[Stage, ...] = (
             ("--annotations", "${pairs.annotations}"),
             ("--instances", _d("pairs", "rank_instances.parquet")),
             ("--pairs", _d("pairs", "pairs.parquet")),
+            ("--edits", _d("edits", "edits.parquet")),
+            ("--edit-pairs", _d("pairs", "edit_pairs.parquet")),
             ("--metrics", _d("pairs", "metrics.json")),
         ),
         deps=(
@@ -467,9 +469,10 @@ STAGES: tuple[Stage, ...] = (
             _d("prompts", "prompts.parquet"),
             Dep("data/models/clip", "pairs.ranking", ("auto",)),
             Dep("${pairs.annotations}", "pairs.ranking", ("annotations",)),
+            Dep(_d("edits", "edits.parquet"), "pairs.editing", (True,)),
         ),
         params=("pairs",),
-        outs=(_d("pairs", "rank_instances.parquet"), _d("pairs", "pairs.parquet")),
+        outs=(_d("pairs", "rank_instances.parquet"), _d("pairs", "pairs.parquet"), _d("pairs", "edit_pairs.parquet")),
         metrics=(_d("pairs", "metrics.json"),),
     ),
     Stage(
@@ -479,10 +482,12 @@ STAGES: tuple[Stage, ...] = (
             ("--panels", _d("subfigures", "panels.parquet")),
             ("--prompts", _d("prompts", "prompts.parquet")),
             ("--progress", _d("labels", "progress")),
+            ("--edit-pairs", _d("pairs", "edit_pairs.parquet")),
             ("--out", _d("labels", "sft.parquet")),
             ("--metrics", _d("labels", "metrics.json")),
         ),
-        deps=(_d("pairs", "pairs.parquet"), _d("subfigures", "panels.parquet"), _d("prompts", "prompts.parquet")),
+        deps=(_d("pairs", "pairs.parquet"), _d("subfigures", "panels.parquet"), _d("prompts", "prompts.parquet"),
+              _d("pairs", "edit_pairs.parquet")),
         params=("labels",),
         outs=(_d("labels", "sft.parquet"),),
         persist=(_d("labels", "progress"),),
@@ -534,6 +539,8 @@ STAGES: tuple[Stage, ...] = (
             ("--instances", _d("pairs", "rank_instances.parquet")),
             ("--panels", _d("subfigures", "panels.parquet")),
             ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--edit-pairs", _d("pairs", "edit_pairs.parquet")),
+            ("--editreward", "${reward_eval.editreward}"),
             ("--predictions", _d("reward_eval", "predictions.parquet")),
             ("--metrics", _d("reward_eval", "metrics.json")),
         ),
@@ -544,6 +551,8 @@ STAGES: tuple[Stage, ...] = (
             _d("pairs", "rank_instances.parquet"),
             _d("subfigures", "panels.parquet"),
             _d("prompts", "prompts.parquet"),
+            Dep(_d("pairs", "edit_pairs.parquet"), "reward_eval.edit_benchmark", ("photos",)),
+            Dep("${reward_eval.editreward}", "reward_eval.edit_benchmark", ("editreward",)),
         ),
         params=("reward_eval",),
         outs=(_d("reward_eval", "predictions.parquet"),),
@@ -552,6 +561,9 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
+#: a subtask's items: data/prompts/prompts.parquet (dataset prompts) or data/edits/edits.parquet (edits)
+_ITEMS = "data/${item.dataset}/${item.dataset}.parquet"
+
 STAGES += (
     Stage(
         name="grpo",
@@ -559,7 +571,7 @@ STAGES += (
         launcher="accelerate",
         args=(
             ("--subtask", "${key}"),
-            ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--items", _ITEMS),
             ("--policy", "data/models/${item.policy}"),
             ("--judge", _d("reward_merge", "model")),
             ("--clip", "data/models/clip"),
@@ -568,7 +580,7 @@ STAGES += (
             ("--plots", "data/grpo/${key}/plots"),
             ("--metrics", "data/grpo/${key}/metrics.json"),
         ),
-        deps=(_d("prompts", "prompts.parquet"), "data/models/${item.policy}", _d("reward_merge", "model"),
+        deps=(_ITEMS, "data/models/${item.policy}", _d("reward_merge", "model"),
               "data/models/clip"),
         params=("grpo.${key}", "judge_endpoint", "subfigures"),
         out_dirs=("data/grpo/${key}/lora",),
@@ -592,7 +604,7 @@ STAGES += (
         launcher="accelerate",
         args=(
             ("--subtask", "${key}"),
-            ("--prompts", _d("prompts", "prompts.parquet")),
+            ("--items", _ITEMS),
             ("--policy", "data/models/${item.policy}"),
             ("--lora", "data/grpo/${key}/lora"),
             ("--judge", _d("reward_merge", "model")),
@@ -601,7 +613,7 @@ STAGES += (
             ("--sheets", "data/final_samples/${key}/sheets"),
             ("--metrics", "data/final_samples/${key}/metrics.json"),
         ),
-        deps=(_d("prompts", "prompts.parquet"), "data/models/${item.policy}", "data/grpo/${key}/lora",
+        deps=(_ITEMS, "data/models/${item.policy}", "data/grpo/${key}/lora",
               _d("reward_merge", "model"), "data/models/clip"),
         params=("final_samples.${key}", "judge_endpoint", "subfigures"),
         outs=("data/final_samples/${key}/samples.parquet",),

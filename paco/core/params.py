@@ -269,6 +269,9 @@ class PairsParams(_Section):
     candidates: int = Field(4, ge=2, description="candidates per ranking instance")
     batch_size: int = Field(32, ge=1, description="CLIP batch size for the auto ranking")
     seed: int = 0
+    editing: bool = Field(True, description="also write edit_pairs.parquet: the editing questions' Yes/No pairs "
+                          "from the edits whose correct result is known (paco.data.edit_pairs)")
+    editing_repeats: int = Field(1, ge=1, description="copies of each editing pair (odd copies mirrored)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,7 +399,14 @@ class RewardEvalParams(_Section):
     baselines: list[Literal["base_zero_shot", "clip_i"]] = Field(
         default_factory=lambda: ["base_zero_shot", "clip_i"]
     )
-    editreward: str | None = Field(None, description="EditReward-Bench-format jsonl (optional)")
+    edit_benchmark: Literal["photos", "editreward", "none"] = Field(
+        "photos", description="the judge's editing benchmark (paper Table 1): photos (the held-out photo edits of "
+        "edit_pairs.parquet, correct edit known), editreward (an EditReward-Bench-format jsonl), none")
+    editreward: str = Field("data/raw/editreward/bench.jsonl", description="EditReward-Bench-format jsonl "
+                            "(read with edit_benchmark: editreward)")
+    edit_templates: Literal["reward", "bench"] = Field(
+        "bench", description="editing questions: bench (edit_*_bench, the EditReward-Bench evaluation's wording) or "
+        "reward (edit_sc / edit_pf, the GRPO reward's wording the judge is trained on)")
     seed: int = 0
 
 # --------------------------------------------------------------------------------------------
@@ -482,6 +492,18 @@ class PolicyLoraParams(_Section):
         return v
 
 
+#: policy families (paco.grpo.policies.FAMILIES) and what each conditions on
+PolicyFamily = Literal["flux", "flux_kontext"]
+Dataset = Literal["prompts", "edits"]
+_FAMILY_DATASET = {"flux": "prompts", "flux_kontext": "edits"}
+
+
+def _check_family_dataset(family: str, dataset: str) -> None:
+    if _FAMILY_DATASET[family] != dataset:
+        raise ValueError(f"family {family!r} needs dataset {_FAMILY_DATASET[family]!r}, not {dataset!r} "
+                         "(text to image samples prompts, editing families edit the edits stage's images)")
+
+
 class RolloutParams(_Section):
     """GRPO rollouts: how the old policy samples the training trajectories (Flow-GRPO)."""
 
@@ -497,6 +519,9 @@ class RolloutParams(_Section):
                                      "(the reference's same_latent; default off as in the paper)")
     batch_size: int = Field(8, ge=1, description="trajectories per forward pass")
     max_sequence_length: int = Field(512, ge=8, le=512)
+    reference_aspect: Literal["keep", "square"] = Field(
+        "keep", description="editing families: the input image is resized to the output size, keeping its aspect "
+        "(paper), or squashed to a square (released trainer); used in training and evaluation")
     overlap_rewards: bool = Field(True, description="score the served rewards (the judge) of each prompt's group "
                                   "(and evaluation chunk) on a worker thread while the next one is sampled; the "
                                   "results are the same "
@@ -575,7 +600,11 @@ class GrpoSubtaskParams(_Section):
 
     seed: int = 0
     policy: str = Field("policy_t2is", description="models role of the policy")
-    split: str = Field("train", description="prompts sampled for training")
+    family: PolicyFamily = Field("flux", description="policy family (paco.grpo.policies.FAMILIES): flux (text to "
+                                 "image) | flux_kontext (editing)")
+    dataset: Dataset = Field("prompts", description="prompts (T2IS prompts.parquet) | edits (edits.parquet): "
+                             "what the family conditions on")
+    split: str = Field("train", description="prompts (or edit items) sampled for training")
     epochs: int = Field(100, ge=1)
     prompts_per_epoch: int = Field(42, ge=1, description="K unique prompts per epoch (paper 42)")
     group_size: int = Field(16, ge=2, description="G trajectories per prompt (paper 16)")
@@ -601,6 +630,11 @@ class GrpoSubtaskParams(_Section):
             raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REWARDS)}")
         return rewards
 
+    @model_validator(mode="after")
+    def _family_dataset(self) -> GrpoSubtaskParams:
+        _check_family_dataset(self.family, self.dataset)
+        return self
+
 
 class FinalSamplesParams(_Section):
     """Final sampling for one subtask (``sample.<subtask>``): ODE sampling of the test prompts
@@ -608,6 +642,8 @@ class FinalSamplesParams(_Section):
 
     seed: int = 0
     policy: str = "policy_t2is"
+    family: PolicyFamily = Field("flux", description="as grpo.<subtask>.family")
+    dataset: Dataset = Field("prompts", description="as grpo.<subtask>.dataset")
     split: str = "test"
     resolution: int = Field(1024, ge=16)
     num_steps: int = Field(20, ge=1)
@@ -615,6 +651,7 @@ class FinalSamplesParams(_Section):
     seeds_per_prompt: int = Field(1, ge=1)
     batch_size: int = Field(4, ge=1)
     max_sequence_length: int = Field(512, ge=8, le=512)
+    reference_aspect: Literal["keep", "square"] = Field("keep", description="as grpo.<subtask>.rollout.reference_aspect")
     rewards: list[str] = Field(default_factory=lambda: ["consistency", "clip_t", "pickscore"],
                                description="rewards scored (the first one's gain is the stage's headline metric)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16 applies on CUDA only")
@@ -629,6 +666,11 @@ class FinalSamplesParams(_Section):
         if unknown or not rewards:
             raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REWARDS)}")
         return rewards
+
+    @model_validator(mode="after")
+    def _family_dataset(self) -> FinalSamplesParams:
+        _check_family_dataset(self.family, self.dataset)
+        return self
 
 
 # --------------------------------------------------------------------------------------------
@@ -689,6 +731,11 @@ class Params(_Section):
         if missing:
             raise ValueError(f"final_samples subtask(s) {missing} have no grpo entry (final_samples.<k> uses "
                              "grpo.<k>'s LoRA)")
+        for key, cfg in self.final_samples.items():
+            trained = self.grpo[key]
+            if (cfg.family, cfg.policy) != (trained.family, trained.policy):
+                raise ValueError(f"final_samples.{key}: family/policy {cfg.family}/{cfg.policy} differ from "
+                                 f"grpo.{key}'s {trained.family}/{trained.policy} (its LoRA is for that model)")
         return self
 
 

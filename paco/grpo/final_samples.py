@@ -1,12 +1,14 @@
-"""Final sampling (stage ``final_samples@<subtask>``): the test prompts with and without the GRPO LoRA.
+"""Final sampling (stage ``final_samples@<subtask>``): the test prompts (or edit items) with and
+without the GRPO LoRA.
 
-Deterministic ODE sampling (the paper's evaluation: 20 steps, guidance 3.5, 1024 px) of every
-test prompt, ``seeds_per_prompt`` seeds each (seed ``k`` of prompt ``p`` draws its noise from
+Deterministic ODE sampling (the paper's evaluation: 20 steps, 1024 px) of every test prompt,
+``seeds_per_prompt`` seeds each (seed ``k`` of prompt ``p`` draws its noise from
 ``stable_seed(seed, "final", p, k)``, the same noise for both variants), once with the base
-policy and once with the LoRA loaded through ``FluxPipeline.load_lora_weights`` (exactly what a
-user of the released LoRA does). Every grid is cut into its panels (the ``subfigures`` code)
-and scored with the configured rewards; the metrics compare the two variants per reward with a
-paired t-test over samples (``scipy.stats.ttest_rel``).
+policy and once with the LoRA loaded through the pipeline's own ``load_lora_weights`` (exactly
+what a user of the released LoRA does). Every image is cut into its panels (the ``subfigures``
+code; an edit is one panel) and scored with the configured rewards; the metrics compare the two
+variants per reward with a paired t-test over samples (``scipy.stats.ttest_rel``). Editing
+subtasks also get a sheet of ``input | base | LoRA`` triplets (``compare``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from PIL import Image, ImageDraw
 from paco.core.seeding import stable_seed
 from paco.core.io import encode_image
 from paco.core.params import FinalSamplesParams
-from paco.grpo.policy import FluxPolicy, grid_size
-from paco.grpo.rewards import PromptInfo, RewardContext, compute_rewards
+from paco.grpo.policies import Policy, grid_size, load_policy
+from paco.grpo.rewards import PromptInfo, RewardContext, compute_rewards, subtask_items
 from paco.data.subfigures import crop_panels
 
 log = logging.getLogger("paco.grpo.final_samples")
@@ -34,7 +36,7 @@ VARIANTS = ("base", "lora")
 SAMPLE_COLUMNS = ["sample_id", "prompt_id", "seed", "variant", "height", "width", "image", "panels", "bboxes"]
 
 
-def _generate(policy: FluxPolicy, jobs: Sequence[tuple[PromptInfo, int, tuple[int, int]]], cfg: FinalSamplesParams
+def _generate(policy: Policy, jobs: Sequence[tuple[PromptInfo, int, tuple[int, int]]], cfg: FinalSamplesParams
               ) -> list[Image.Image]:
     """ODE samples for ``(prompt, seed, (h, w))`` jobs, batched by prompt and size."""
     out: list[Image.Image | None] = [None] * len(jobs)
@@ -43,7 +45,7 @@ def _generate(policy: FluxPolicy, jobs: Sequence[tuple[PromptInfo, int, tuple[in
         groups.setdefault((p.prompt_id, size), []).append(i)
     for (pid, (h, w)), idx in groups.items():
         prompt = jobs[idx[0]][0]
-        emb = policy.encode_prompts([prompt.prompt])
+        emb = policy.condition([prompt], h, w)
         for c0 in range(0, len(idx), cfg.batch_size):
             chunk = idx[c0:c0 + cfg.batch_size]
             gens = [torch.Generator().manual_seed(stable_seed(cfg.seed, "final", pid, jobs[i][1])) for i in chunk]
@@ -77,33 +79,30 @@ def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], *, colum
 def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: str | Path, lora_dir: str | Path,
                   ctx: RewardContext, *, rank: int = 0, world: int = 1, accelerator: Any = None
                   ) -> tuple[pd.DataFrame, dict[str, Image.Image], dict[str, Any]]:
-    """Sample, cut and score the ``cfg.split`` prompts with and without the LoRA.
+    """Sample, cut and score the ``cfg.split`` prompts (``cfg.dataset``: ``prompts.parquet`` or
+    ``edits.parquet`` rows) with and without the LoRA.
 
     Returns:
         ``(samples, sheets, metrics)``: the ``samples.parquet`` rows (``SAMPLE_COLUMNS`` plus
-        ``reward_<name>``; ``image``/``panels`` are image cells), one contact sheet per variant,
-        and the metrics (per variant and reward: mean, std; LoRA minus base: mean difference,
+        ``reward_<name>``; ``image``/``panels`` are image cells), one contact sheet per variant
+        (and ``compare``: input | base | LoRA, for edits), and the metrics (per variant and reward: mean, std; LoRA minus base: mean difference,
         paired t-test p-value, fraction of samples improved).
 
     Raises:
         ValueError: no prompt in the split. paco.grpo.rewards.RewardError /
             paco.judge.client.JudgeError: a reward failed.
     """
-    from diffusers import FluxPipeline  # noqa: F401 - load_lora_weights lives on the pipeline
-
-    from paco.models.loading import load_flux_pipeline
-
-    test = prompts[prompts["split"].astype(str) == cfg.split].sort_values("prompt_id")
+    items, by_id = subtask_items(prompts, cfg.dataset)
+    test = items[items["split"].astype(str) == cfg.split].sort_values("prompt_id")
     if test.empty:
         raise ValueError(f"no prompts in split {cfg.split!r}")
-    infos = [PromptInfo.from_row(r) for r in test.to_dict("records")]
+    infos = [by_id[str(pid)] for pid in test["prompt_id"]]
     jobs = [(p, k, grid_size(int(r["height"]), int(r["width"]), cfg.resolution))
             for p, r in zip(infos, test.to_dict("records"), strict=True) for k in range(cfg.seeds_per_prompt)]
     mine = list(range(rank, len(jobs), world))
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and device.type == "cuda") else torch.float32
-    pipe = load_flux_pipeline(policy_dir, dtype=dtype)
-    pipe.to(device)
+    policy = load_policy(cfg.family, policy_dir, None, cfg, dtype=dtype, device=device)
     rows: list[dict[str, Any]] = []
     for variant in VARIANTS:
         if variant == "lora":
@@ -112,11 +111,9 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
             level = df_logging.get_verbosity()
             df_logging.set_verbosity_error()  # "no LoRA keys for the text encoder": there are none by design
             try:
-                pipe.load_lora_weights(str(lora_dir))
+                policy.pipe.load_lora_weights(str(lora_dir))
             finally:
                 df_logging.set_verbosity(level)
-        policy = FluxPolicy(pipe, None, max_sequence_length=cfg.max_sequence_length,
-                            guidance_scale=cfg.guidance_scale)
         my_jobs = [jobs[i] for i in mine]
         images = _generate(policy, my_jobs, cfg)
         rewards = compute_rewards(cfg.rewards, images, [j[0] for j in my_jobs], ctx) if cfg.rewards else {}
@@ -142,6 +139,15 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
         vr = [r for r in rows if r["variant"] == variant]
         sheets[variant] = contact_sheet([r["_pil"] for r in vr], [f"{r['prompt_id']} s{r['seed']}" for r in vr],
                                         title=f"{variant}: {len(vr)} samples, {cfg.num_steps} ODE steps")
+    if cfg.dataset == "edits":
+        base = [r for r in rows if r["variant"] == "base"]
+        lora = {(r["prompt_id"], r["seed"]): r for r in rows if r["variant"] == "lora"}
+        ref = {p.prompt_id: p.reference for p in infos}
+        triplets, labels = [], []
+        for r in base:
+            triplets += [ref[r["prompt_id"]], r["_pil"], lora[(r["prompt_id"], r["seed"])]["_pil"]]
+            labels += [f"{r['prompt_id']} input", "base", "LoRA"]
+        sheets["compare"] = contact_sheet(triplets, labels, columns=3, title="input | base | LoRA")
     table = pd.DataFrame([{k: v for k, v in r.items() if k not in ("order", "_pil")} for r in rows])
     return table, sheets, summarise(table, cfg.rewards)
 

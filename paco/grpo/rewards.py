@@ -64,8 +64,60 @@ class PromptInfo:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> PromptInfo:
+        """A ``prompts.parquet`` row (:data:`ITEM_COLUMNS` ``["prompts"]``)."""
         return cls(str(row["prompt_id"]), str(row["prompt"]), str(row.get("global_prompt") or ""),
                    int(row["rows"]), int(row["cols"]), tuple(str(p) for p in row["panel_prompts"]))
+
+    @classmethod
+    def from_edit_row(cls, row: Mapping[str, Any]) -> PromptInfo:
+        """An ``edits.parquet`` row (:data:`ITEM_COLUMNS` ``["edits"]``): the instruction as the
+        prompt, the decoded input image as the reference, a 1x1 layout.
+
+        Raises:
+            paco.core.io.ImageDecodeError: the input image cell does not decode (named by item).
+        """
+        from paco.core.io import decode_image
+
+        instruction = str(row["instruction"])
+        return cls(str(row["item_id"]), instruction, "", 1, 1, (instruction,),
+                   decode_image(row["input_image"], what=f"edit {row['item_id']} input_image"))
+
+
+#: the columns GRPO and final sampling read from a subtask's items, by ``dataset``
+ITEM_COLUMNS: dict[str, list[str]] = {
+    "prompts": ["prompt_id", "split", "prompt", "global_prompt", "rows", "cols", "height", "width", "panel_prompts"],
+    "edits": ["item_id", "split", "instruction", "input_image", "height", "width"],
+}
+
+
+def subtask_items(table: Any, dataset: str) -> tuple[Any, dict[str, PromptInfo]]:
+    """A subtask's items table in one layout, and its :class:`PromptInfo` by id.
+
+    Args:
+        table: ``prompts.parquet`` (``dataset="prompts"``) or ``edits.parquet`` (``"edits"``)
+            rows, with at least :data:`ITEM_COLUMNS` ``[dataset]``.
+        dataset: ``prompts`` or ``edits``.
+
+    Returns:
+        ``(items, infos)``: ``items`` has ``prompt_id`` (an edit's ``item_id``), ``split``,
+        ``height``, ``width`` (the composite's or the input image's size, px); ``infos`` maps
+        ``prompt_id`` to its :class:`PromptInfo` (an edit's with its decoded input image).
+
+    Raises:
+        ValueError: an unknown dataset. paco.core.io.ImageDecodeError: an undecodable input image.
+    """
+    if dataset not in ITEM_COLUMNS:
+        raise ValueError(f"unknown dataset {dataset!r}; expected one of {sorted(ITEM_COLUMNS)}")
+    records = table.to_dict("records")
+    if dataset == "edits":
+        infos = {str(r["item_id"]): PromptInfo.from_edit_row(r) for r in records}
+        items = table.rename(columns={"item_id": "prompt_id"})
+    else:
+        infos = {str(r["prompt_id"]): PromptInfo.from_row(r) for r in records}
+        items = table
+    items = items[["prompt_id", "split", "height", "width"]].copy()
+    items["prompt_id"] = items["prompt_id"].astype(str)
+    return items.reset_index(drop=True), infos
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""PaCo-GRPO: Flow-GRPO training of a FLUX.1 LoRA on multi-reward feedback (PaCo-RL §4).
+"""PaCo-GRPO: Flow-GRPO training of a policy LoRA (any family of :mod:`paco.grpo.policies`: FLUX.1
+text to image, FLUX.1 Kontext editing) on multi-reward feedback (PaCo-RL §4, §7).
 
 One epoch (the reference trainer's loop, ``train_flux.py`` of X-GenGroup/PaCo-RL):
 
@@ -81,8 +82,8 @@ from paco.core.seeding import stable_seed
 from paco.core.stage import broadcast_from_main
 from paco.core.io import write_json
 from paco.core.params import GrpoSubtaskParams, ParamsError
-from paco.grpo.policy import OLD_ADAPTER, TRAINED_ADAPTER, FluxPolicy, PromptEmbeds, grid_size
-from paco.grpo.rewards import SERVED_REWARDS, PromptInfo, RewardContext, compute_rewards
+from paco.grpo.policies import OLD_ADAPTER, TRAINED_ADAPTER, Conditioning, Policy, grid_size, load_policy
+from paco.grpo.rewards import SERVED_REWARDS, PromptInfo, RewardContext, compute_rewards, subtask_items
 from paco.core.run_identity import RunIdentity
 
 log = logging.getLogger("paco.grpo.trainer")
@@ -141,7 +142,7 @@ class Trajectory:
 
     index: int                 # global index in the epoch (prompt-major)
     prompt_id: str
-    embeds: PromptEmbeds       # one row, shared by the prompt's group
+    embeds: Conditioning       # one row at the trajectory's size, shared by the prompt's group
     latents: torch.Tensor      # (n_sde, 2, seq, C)
     sigmas: torch.Tensor       # (N + 1,)
     timesteps: torch.Tensor    # (N,)
@@ -150,7 +151,7 @@ class Trajectory:
     width: int
 
 
-def sample_group(policy: FluxPolicy, prompt: PromptInfo, embeds: PromptEmbeds, indices: Sequence[int],
+def sample_group(policy: Policy, prompt: PromptInfo, embeds: Conditioning, indices: Sequence[int],
                  cfg: GrpoSubtaskParams, epoch: int, height: int, width: int, *, base_index: int
                  ) -> tuple[list[Trajectory], list[Any]]:
     """Sample the trajectories ``indices`` (within the prompt's group) of one prompt with the
@@ -310,7 +311,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
-def evaluate(policy: FluxPolicy, prompts: Sequence[PromptInfo], sizes: Sequence[tuple[int, int]],
+def evaluate(policy: Policy, prompts: Sequence[PromptInfo], sizes: Sequence[tuple[int, int]],
              cfg: GrpoSubtaskParams, ctx: RewardContext, *, rank: int = 0, world: int = 1,
              accelerator: Any = None) -> dict[str, Any]:
     """ODE samples of ``prompts`` (one each, initial noise from
@@ -330,7 +331,7 @@ def evaluate(policy: FluxPolicy, prompts: Sequence[PromptInfo], sizes: Sequence[
         for (h, w), idx in by_size.items():
             for start in range(0, len(idx), e.batch_size):
                 chunk = idx[start:start + e.batch_size]
-                emb = policy.encode_prompts([prompts[i].prompt for i in chunk])
+                emb = policy.condition([prompts[i] for i in chunk], h, w)
                 noise = [generators(cfg.seed, "eval", 0, prompts[i].prompt_id, [0])[0] for i in chunk]
                 roll = policy.generate(emb, height=h, width=w, num_steps=e.num_steps, noise_level=0.0,
                                        sde_indices=[], noise_generators=noise)
@@ -378,11 +379,9 @@ class EpochInfo:
     epochs: int
     row: dict[str, Any]
     checkpoint: str | None
-    policy: FluxPolicy
+    policy: Policy
 
 
-#: the ``prompts.parquet`` columns GRPO and final sampling read
-PROMPT_COLUMNS = ["prompt_id", "split", "prompt", "global_prompt", "rows", "cols", "height", "width", "panel_prompts"]
 EVAL_WEIGHTS_DIR = "eval-weights"
 
 
@@ -398,7 +397,7 @@ class GrpoRun:
     rank: int
     world: int
     device: torch.device
-    policy: FluxPolicy
+    policy: Policy
     trained: dict[str, torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     ema: LoraEMA | None
@@ -472,7 +471,6 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
         paco.core.params.ParamsError: a split without prompts, too few prompts for ``prompts_per_epoch`` or too few
             trajectories for the gradient steps.
     """
-    from paco.models.loading import load_flux_pipeline
     from paco.core.stage import cpu_threads_per_process
 
     rank = accelerator.process_index if accelerator is not None else 0
@@ -481,7 +479,7 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
 
-    infos = {str(r["prompt_id"]): PromptInfo.from_row(r) for r in prompts.to_dict("records")}
+    prompts, infos = subtask_items(prompts, cfg.dataset)
     check_splits(cfg, prompts)
     split = prompts["split"].astype(str)
     train_ids = sorted(prompts.loc[split == cfg.split, "prompt_id"].astype(str))
@@ -499,10 +497,8 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
 
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and on_gpu) else torch.float32
-    pipe = load_flux_pipeline(policy_dir, dtype=dtype)
-    pipe.to(device)
-    policy = FluxPolicy(pipe, cfg.lora, max_sequence_length=cfg.rollout.max_sequence_length,
-                        guidance_scale=cfg.rollout.guidance_scale, seed=stable_seed(cfg.seed, "lora"))
+    policy = load_policy(cfg.family, policy_dir, cfg.lora, cfg.rollout, seed=stable_seed(cfg.seed, "lora"),
+                         dtype=dtype, device=device)
     trained = policy.adapter_parameters(TRAINED_ADAPTER)
     with torch.no_grad():  # LoRA weights stay float32 (bf16 base on GPUs)
         for p in list(trained.values()) + list(policy.adapter_parameters(OLD_ADAPTER).values()):
@@ -691,8 +687,8 @@ def rollout(run: GrpoRun, epoch: int) -> Rollout:
                 mine = [g for g in range(cfg.group_size) if (k * cfg.group_size + g) % run.world == run.rank]
                 if not mine:
                     continue
-                emb = run.policy.encode_prompts([run.infos[pid].prompt])
                 h, w = run.train_size[pid]
+                emb = run.policy.condition([run.infos[pid]], h, w)
                 tr, ims = sample_group(run.policy, run.infos[pid], emb, mine, cfg, epoch, h, w,
                                        base_index=k * cfg.group_size)
                 trajs += tr
@@ -774,7 +770,7 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
         for (h, w), idx in sorted(shapes.items()):
             for c0 in range(0, len(idx), t.batch_size):
                 chunk = [by_index[i] for i in idx[c0:c0 + t.batch_size]]
-                emb = PromptEmbeds.cat([c.embeds for c in chunk]).to_device(device)
+                emb = Conditioning.cat([c.embeds for c in chunk]).to_device(device)
                 a = torch.tensor([adv[c.index] for c in chunk], dtype=torch.float32, device=device)
                 for j in range(n_sde):
                     step = chunk[0].sde_indices[j]
@@ -782,7 +778,7 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
                     x_next = torch.stack([c.latents[j, 1] for c in chunk]).to(device)
                     sig, sig_next = chunk[0].sigmas[step], chunk[0].sigmas[step + 1]
                     ts_ = chunk[0].timesteps[step]
-                    args = (x, x_next, sig, sig_next, ts_, emb, h, w, cfg.rollout.noise_level, cfg.rollout.sigma_max)
+                    args = (x, x_next, sig, sig_next, ts_, emb, cfg.rollout.noise_level, cfg.rollout.sigma_max)
                     with torch.no_grad():
                         with policy.using(OLD_ADAPTER):
                             old_lp, _, _ = policy.transition_log_prob(*args)
@@ -967,13 +963,15 @@ def train_grpo(
 
     Args:
         cfg: ``grpo.<subtask>`` params.
-        prompts: ``prompts.parquet`` rows (``split`` selects train / eval prompts).
-        policy_dir: the FLUX pipeline directory (``models`` stage).
+        prompts: the subtask's items: ``prompts.parquet`` or, for an editing family
+            (``cfg.dataset`` ``edits``), ``edits.parquet`` rows (``split`` selects train / eval
+            items; :func:`paco.grpo.rewards.subtask_items`).
+        policy_dir: the policy's pipeline directory (``models`` stage), loaded as ``cfg.family``.
         ctx: reward models (judge client, CLIP, instruction, grid splitting).
         identity: the stage's run identity (:func:`paco.core.run_identity.stage_identity`); the
             process count and device type are added here.
         lora_dir: the final LoRA (EMA weights if enabled) in diffusers' format
-            (``pytorch_lora_weights.safetensors``, loadable with ``FluxPipeline.load_lora_weights``)
+            (``pytorch_lora_weights.safetensors``, loadable with the family's pipeline's ``load_lora_weights``)
             plus ``lora_config.json``; ``None``: not saved.
         checkpoints_dir: resumable checkpoints and kept evaluation weights (persisted).
         plots_dir: ``train.csv`` and ``eval.csv`` (main process; ``None``: not written).
@@ -1110,22 +1108,20 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
     return {"metrics": metrics, "report": report}
 
 
-def save_lora(policy: FluxPolicy, cfg: GrpoSubtaskParams, lora_dir: str | os.PathLike[str]) -> None:
-    """Write the trained adapter's current weights as a diffusers FLUX LoRA (atomically, with
-    deterministic bytes: :func:`paco.core.checkpoints.canonicalise_safetensors`)."""
-    from diffusers import FluxPipeline
-
+def save_lora(policy: Policy, cfg: GrpoSubtaskParams, lora_dir: str | os.PathLike[str]) -> None:
+    """Write the trained adapter's current weights as a diffusers LoRA of the policy's pipeline
+    class (atomically, with deterministic bytes: :func:`paco.core.checkpoints.canonicalise_safetensors`)."""
     target = Path(lora_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     meta = {"r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "target_modules": list(cfg.lora.target_modules)}
-    FluxPipeline.save_lora_weights(str(tmp), transformer_lora_layers=policy.lora_state_dict(TRAINED_ADAPTER),
-                                   transformer_lora_adapter_metadata=meta)
+    policy.save_lora(tmp, policy.lora_state_dict(TRAINED_ADAPTER), metadata=meta)
     for f in tmp.glob("*.safetensors"):
         ckpt.canonicalise_safetensors(f)
-    write_json(tmp / "lora_config.json", {**meta, "lora_dropout": cfg.lora.dropout, "base_policy": cfg.policy})
+    write_json(tmp / "lora_config.json", {**meta, "lora_dropout": cfg.lora.dropout, "base_policy": cfg.policy,
+                                           "family": cfg.family, "pipeline_class": policy.pipeline_class})
     for f in tmp.iterdir():
         f.chmod(0o644)
     ckpt.replace_dir(tmp, target)

@@ -141,8 +141,9 @@ def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy"
 def read_edit_benchmark(path: str | Path) -> pd.DataFrame:
     """Read an EditReward-Bench-format jsonl: one object per line with ``instruction``,
     ``input_image``, ``output_a``, ``output_b`` (image paths relative to the file, ``output_a``
-    the preferred edit) and ``dimension`` (e.g. ``consistency``, ``instruction_following``,
-    ``overall``).
+    the preferred edit), ``dimension`` (``consistency``, ``instruction_following``, ``overall``)
+    and optionally ``task_type`` (macro-averaging) and ``id``. Returns the layout of
+    :func:`photo_edit_benchmark` (``instance_id`` / ``item_id``: the ``id`` or ``line-<n>``).
 
     Raises:
         ArtifactError: a missing file, key or image (names the line).
@@ -164,35 +165,145 @@ def read_edit_benchmark(path: str | Path) -> pd.DataFrame:
         for key in ("input_image", "output_a", "output_b"):
             file = path.parent / rec[key]
             rec[key] = decode_image(file.read_bytes() if file.is_file() else None, what=f"{path}:{n} {key}")
-        rows.append(rec)
-    return pd.DataFrame.from_records(rows)
+        if rec["dimension"] not in EDIT_DIMENSIONS:
+            raise ArtifactError(f"{path}:{n}: dimension {rec['dimension']!r} is not one of {EDIT_DIMENSIONS}")
+        ident = str(rec.get("id") or f"line-{n}")
+        rows.append({"instance_id": ident, "item_id": ident, "task_type": str(rec.get("task_type") or ""),
+                     "instruction": str(rec["instruction"]), "input_image": rec["input_image"],
+                     "output_a": rec["output_a"], "output_b": rec["output_b"], "dimension": rec["dimension"]})
+    return pd.DataFrame.from_records(rows, columns=["instance_id", "item_id", "task_type", "instruction",
+                                                    "input_image", "output_a", "output_b", "dimension"])
 
 
-def edit_accuracy(bench: pd.DataFrame, score_sc: PairScorer, score_pf: PairScorer) -> dict[str, Any]:
-    """Pairwise accuracy per dimension: the preferred output must score higher.
+#: EditReward-Bench dimensions (paper Table 1): prompt following, consistency, overall
+EDIT_DIMENSIONS = ("instruction_following", "consistency", "overall")
 
-    Scores: semantic consistency ``SC = P_yes(edit_sc)``, prompt following
-    ``PF = P_yes(edit_pf)``, overall ``sqrt(SC * PF)`` (the reference GRPO editing reward);
-    ``consistency`` uses SC, ``instruction_following`` PF, anything else the overall score.
+#: photo-edit benchmark: (preferred, rejected, dimension) candidate triples per item
+#: (:mod:`paco.data.edit_pairs` candidates; ``wrong_subject`` absent for ``replace_subject``)
+PHOTO_PREFERENCES = (
+    ("correct", "unchanged", "instruction_following"), ("correct", "wrong_edit", "instruction_following"),
+    ("correct", "wrong_subject", "consistency"),
+    ("correct", "unchanged", "overall"), ("correct", "wrong_edit", "overall"), ("correct", "wrong_subject", "overall"),
+)
+
+
+def photo_edit_benchmark(edit_pairs: pd.DataFrame, split: str) -> pd.DataFrame:
+    """An EditReward-style benchmark from the editing pairs of ``split`` (the embedded default's
+    held-out photographs, whose correct edit is known): per item and :data:`PHOTO_PREFERENCES`
+    entry one instance preferring the correct edit (``output_a``) to a wrong candidate
+    (``output_b``). Only the first copy of a repeated pair is used.
+
+    Returns:
+        Rows with ``instance_id``, ``item_id``, ``task_type``, ``instruction`` (the edit),
+        ``input_image``, ``output_a``, ``output_b`` (PIL; one object per distinct image, so a
+        scorer sees each once), ``dimension``; sorted by ``instance_id``. Empty if ``split`` has
+        no editing pairs.
+
+    Raises:
+        ArtifactError: an image cell that does not decode (names the pair).
     """
-    from paco.judge.templates import EDIT_PF, EDIT_SC
+    sel = edit_pairs[(edit_pairs["split"] == split) & ~edit_pairs["pair_id"].str.contains(r"-r[1-9]\d*$")]
+    cols = ["instance_id", "item_id", "task_type", "instruction", "input_image", "output_a", "output_b", "dimension"]
+    rows = []
+    for item_id, g in sel.groupby("item_id", sort=True):
+        first = g.iloc[0]
+        original = decode_image(first["image_a"], what=f"edit pair {first['pair_id']} image_a")
+        cands = {}
+        for r in g.sort_values("pair_id").to_dict("records"):
+            if r["candidate"] not in cands:
+                cands[r["candidate"]] = decode_image(r["image_b"], what=f"edit pair {r['pair_id']} image_b")
+        for good, bad, dim in PHOTO_PREFERENCES:
+            if good in cands and bad in cands:
+                rows.append({"instance_id": f"{item_id}-{dim}-{bad}", "item_id": item_id,
+                             "task_type": str(first["task_type"]), "instruction": str(first["edit"]),
+                             "input_image": original, "output_a": cands[good], "output_b": cands[bad],
+                             "dimension": dim})
+    return pd.DataFrame(rows, columns=cols).sort_values("instance_id", ignore_index=True)
 
-    def scores(out_col: str) -> tuple[np.ndarray, np.ndarray]:
-        sc = score_sc([(r.input_image, getattr(r, out_col), EDIT_SC.format(prompt=r.instruction)) for r in bench.itertuples()])
-        pf = score_pf([(r.input_image, getattr(r, out_col), EDIT_PF.format(prompt=r.instruction)) for r in bench.itertuples()])
-        return np.asarray(sc), np.asarray(pf)
 
-    sc_a, pf_a = scores("output_a")
-    sc_b, pf_b = scores("output_b")
-    chosen = {
-        "consistency": (sc_a, sc_b),
-        "instruction_following": (pf_a, pf_b),
-    }
+def edit_scores(bench: pd.DataFrame, scorer: PairScorer, *, templates: str = "bench",
+                single: bool = False) -> pd.DataFrame:
+    """Per instance, the two outputs' scores on the instance's dimension.
+
+    Scores (paper Table 1; reference ``editscore``): semantic consistency ``SC = P_yes`` of the
+    consistency question, prompt following ``PF = P_yes`` of the prompt-following question (the
+    original first, the output second), ``overall = sqrt(SC * PF)``. ``templates``: ``bench``
+    (``edit_sc_bench`` / ``edit_pf_bench``, the EditReward-Bench evaluation's wording) or
+    ``reward`` (``edit_sc`` / ``edit_pf``, the GRPO reward's wording). ``single``: the scorer
+    ignores the question (CLIP-I): its one score is used for every dimension.
+
+    Returns:
+        ``bench``'s ``instance_id``, ``item_id``, ``task_type``, ``dimension`` with ``score_a`` and
+        ``score_b`` (float64).
+
+    Raises:
+        ValueError: unknown ``templates``.
+    """
+    from paco.judge.templates import get_template
+
+    if templates not in ("bench", "reward"):
+        raise ValueError(f"templates must be bench or reward, got {templates!r}")
+    suffix = "_bench" if templates == "bench" else ""
+    sc_t, pf_t = get_template("edit_sc" + suffix), get_template("edit_pf" + suffix)
+    # each distinct (input, output, question) once
+    keys: dict[tuple[int, int, str], int] = {}
+    triples = []
+    for r in bench.itertuples(index=False):
+        for out in (r.output_a, r.output_b):
+            for q, t in (("sc", sc_t), ("pf", pf_t)):
+                if single and q == "pf":
+                    continue
+                k = (id(r.input_image), id(out), q + r.instruction)
+                if k not in keys:
+                    keys[k] = len(triples)
+                    triples.append((r.input_image, out, t.format(prompt=r.instruction)))
+    values = np.asarray(scorer(triples), dtype=np.float64) if triples else np.zeros(0)
+
+    def score(r: Any, out: Image.Image) -> float:
+        sc = values[keys[(id(r.input_image), id(out), "sc" + r.instruction)]]
+        if single:
+            return float(sc)
+        pf = values[keys[(id(r.input_image), id(out), "pf" + r.instruction)]]
+        return float({"consistency": sc, "instruction_following": pf}.get(r.dimension, np.sqrt(sc * pf)))
+
+    rows = [{"instance_id": r.instance_id, "item_id": r.item_id, "task_type": r.task_type, "dimension": r.dimension,
+             "score_a": score(r, r.output_a), "score_b": score(r, r.output_b)} for r in bench.itertuples(index=False)]
+    return pd.DataFrame(rows, columns=["instance_id", "item_id", "task_type", "dimension", "score_a", "score_b"])
+
+
+def edit_accuracy(scores: pd.DataFrame) -> dict[str, Any]:
+    """Pairwise preference accuracy per dimension (paper Table 1): the preferred output must
+    score higher (``accuracy``: strict ``>``; ``accuracy_ge``: ``>=``, ties count), macro-averaged
+    over task types (``accuracy_macro``: the mean of the per-task-type strict accuracies, as the
+    EditReward-Bench evaluation), ``n``, and a one-sided binomial test of the strict wins against
+    chance 0.5 (``p_value``, ``scipy.stats.binomtest``; instances of one item share images).
+
+    Args:
+        scores: :func:`edit_scores` rows.
+    """
+    from scipy import stats
+
     out: dict[str, Any] = {}
-    for dim, group in bench.groupby("dimension"):
-        idx = group.index.to_numpy()
-        a, b = chosen.get(dim, (np.sqrt(sc_a * pf_a), np.sqrt(sc_b * pf_b)))
-        out[dim] = {"accuracy": float(np.mean(a[idx] > b[idx])), "n": len(idx)}
+    for dim, g in scores.groupby("dimension", sort=True):
+        wins = (g["score_a"] > g["score_b"]).to_numpy()
+        per_task = g.assign(win=wins).groupby("task_type")["win"].mean()
+        out[str(dim)] = {"accuracy": float(wins.mean()), "accuracy_ge": float((g["score_a"] >= g["score_b"]).mean()),
+                         "accuracy_macro": float(per_task.mean()), "n": int(len(g)),
+                         "p_value": float(stats.binomtest(int(wins.sum()), len(wins), 0.5,
+                                                          alternative="greater").pvalue)}
+    return out
+
+
+def edit_paired_comparison(a: pd.DataFrame, b: pd.DataFrame) -> dict[str, Any]:
+    """Per dimension, judge ``a``'s strict wins minus judge ``b``'s on the same instances: the
+    mean difference and a one-sided paired t-test (:func:`paco.judge.metrics.chance_test` of the
+    per-instance differences against 0)."""
+    merged = a.merge(b, on="instance_id", suffixes=("_a", "_b"), validate="one_to_one")
+    out = {}
+    for dim, g in merged.groupby("dimension_a", sort=True):
+        diff = ((g["score_a_a"] > g["score_b_a"]).astype(float) - (g["score_a_b"] > g["score_b_b"]).astype(float))
+        out[str(dim)] = _test(diff.to_numpy(), 0.0) if diff.std() > 0 else {"mean": float(diff.mean()),
+                                                                               "n": int(len(diff))}
     return out
 
 

@@ -2,8 +2,10 @@
 
 For every Yes/No pair a teacher (:mod:`paco.judge.teacher`) writes 1-3 numbered reasons that justify
 the known label; the target is ``Yes. <reason>1. ... 2. ...</reason>`` (or bare ``Yes.`` /
-``No.`` for the fast variant). The instruction is the T2IS theme template filled with the
-prompt's global description (the reference code's ``divide_prompt(prompt)[0]``).
+``No.`` for the fast variant). The instruction of a T2IS pair is the theme template filled with
+the prompt's global description (the reference code's ``divide_prompt(prompt)[0]``); an editing
+pair (:mod:`paco.data.edit_pairs`) carries its own question (``edit_pf`` / ``edit_sc`` with the
+edit instruction). The ``task`` column says which (``t2is``, ``edit_pf``, ``edit_sc``).
 
 Progress is persisted per chunk of pairs under a progress directory, tagged with the stage's run
 identity (:mod:`paco.core.run_identity`: the ``labels`` params, the pair, panel and prompt tables, the
@@ -30,7 +32,7 @@ from paco.judge.templates import judge_instruction
 from paco.judge.teacher import PairItem, Teacher
 
 SFT_COLUMNS = [
-    "pair_id", "instance_id", "prompt_id", "split", "instruction", "image_a", "image_b", "label",
+    "pair_id", "instance_id", "prompt_id", "split", "task", "instruction", "image_a", "image_b", "label",
     "reasons", "response", "teacher", "status", "error", "attempts",
 ]
 _RESULT_COLUMNS = ["pair_id", "reasons", "response", "status", "error", "attempts"]
@@ -92,6 +94,7 @@ def join_pairs(
         rows.append(
             {
                 **{k: pair[k] for k in ("pair_id", "instance_id", "prompt_id", "split", "label")},
+                "task": "t2is",
                 "theme": theme[pair["prompt_id"]],
                 "instruction": judge_instruction(theme[pair["prompt_id"]] if instruction == "theme" else None),
                 "image_a": images[pair["panel_a"]],
@@ -99,6 +102,20 @@ def join_pairs(
             }
         )
     return pd.DataFrame.from_records(rows)
+
+
+def join_edit_pairs(edit_pairs: pd.DataFrame) -> pd.DataFrame:
+    """Editing pairs (``edit_pairs.parquet``) in :func:`join_pairs`' layout: ``instance_id`` is
+    ``<item>-<question>``, ``prompt_id`` the item, ``task`` ``edit_pf`` / ``edit_sc``, the
+    ``instruction`` the pair's own question, no theme; sorted by ``pair_id``."""
+    rows = [
+        {"pair_id": r["pair_id"], "instance_id": f"{r['item_id']}-{r['question']}", "prompt_id": r["item_id"],
+         "split": r["split"], "label": bool(r["label"]), "task": f"edit_{r['question']}", "theme": None,
+         "instruction": r["instruction"], "image_a": r["image_a"], "image_b": r["image_b"]}
+        for r in edit_pairs.sort_values("pair_id").to_dict("records")
+    ]
+    return pd.DataFrame.from_records(rows, columns=["pair_id", "instance_id", "prompt_id", "split", "label", "task",
+                                                    "theme", "instruction", "image_a", "image_b"])
 
 
 def _chunk_path(progress_dir: Path, n: int) -> Path:
@@ -181,6 +198,7 @@ def label_pairs(
                 image_b=decode_image(r["image_b"], what=f"pair {r['pair_id']} image_b"),
                 label=bool(r["label"]),
                 theme=r["theme"],
+                question=None if r["task"] == "t2is" else r["instruction"],
             )
             for r in chunk.to_dict("records")
         ]
@@ -223,6 +241,7 @@ def summarise(sft: pd.DataFrame) -> dict[str, Any]:
         "failures": failures.head(50).to_dict("records"),
         "per_split": {s: {"ok": int((g["status"] == "ok").sum()), "failed": int((g["status"] != "ok").sum())}
                       for s, g in sft.groupby("split")},
+        "per_task": {t: int(len(g)) for t, g in sft.groupby("task")},
         "yes_fraction": float(ok["label"].mean()) if len(ok) else None,
         "reasons_per_target": float(ok["reasons"].map(len).mean()) if len(ok) else None,
         "response_chars": float(ok["response"].str.len().mean()) if len(ok) else None,

@@ -114,6 +114,8 @@ class PairItem:
         label: ``True`` = consistent ("Yes"), ``False`` = not ("No").
         theme: the set's theme (main prompt) or ``None`` (selects the judge question, see
             :func:`paco.judge.templates.judge_instruction`).
+        question: the judge question itself, for pairs that do not ask the T2IS question (an
+            editing pair's ``edit_pf`` / ``edit_sc``, :mod:`paco.data.edit_pairs`).
     """
 
     pair_id: str
@@ -121,6 +123,7 @@ class PairItem:
     image_b: Image.Image
     label: bool
     theme: str | None = None
+    question: str | None = None  # the judge question when it is not the T2IS one (an editing pair's)
 
 
 @dataclass
@@ -234,8 +237,9 @@ class Teacher(ABC):
     def _explain(self, items: list[PairItem]) -> list[TeacherResult]: ...
 
     def question(self, item: PairItem) -> str:
-        """The judge question for ``item`` (stored as the SFT instruction)."""
-        return judge_instruction(item.theme)
+        """The judge question for ``item``: its own ``question`` (an editing pair's), else the
+        T2IS question with the item's theme."""
+        return item.question if item.question else judge_instruction(item.theme)
 
     def prompt(self, item: PairItem) -> str:
         """The teacher's instruction for ``item``: the question plus the known answer."""

@@ -132,7 +132,10 @@ KEEP_CHECKPOINTS = 2
 
 @dataclass(frozen=True)
 class SftRow:
-    """One training/eval example: PNG bytes of both panels, the question, the target."""
+    """One training/eval example: PNG bytes of both images, the question, the target, and the
+    task (``t2is``: a symmetric consistency question; ``edit_pf`` / ``edit_sc``: the original
+    first and the edit second, so no augmentation applies: a swap or independent crops would
+    change the label)."""
 
     pair_id: str
     image_a: bytes
@@ -140,6 +143,7 @@ class SftRow:
     instruction: str
     response: str
     label: bool
+    task: str = "t2is"
 
 
 def _cell_bytes(cell: Any, what: str) -> bytes:
@@ -175,6 +179,7 @@ def load_sft_rows(sft: str | os.PathLike[str] | pd.DataFrame, split: str) -> lis
                 instruction=str(r.instruction),
                 response=str(r.response),
                 label=bool(r.label),
+                task=str(getattr(r, "task", "t2is")),
             )
         )
     return rows
@@ -228,7 +233,7 @@ def row_images(row: SftRow, aug: PairAugmentParams | None = None, *, seed: int =
     """
     a = decode_image(row.image_a, what=f"pair {row.pair_id} image_a")
     b = decode_image(row.image_b, what=f"pair {row.pair_id} image_b")
-    if aug is None or not aug.enabled:
+    if aug is None or not aug.enabled or row.task != "t2is":
         return a, b
     return augment_pair(a, b, aug, np.random.default_rng([seed, epoch, index]))
 

@@ -5,7 +5,7 @@ Public API (imported lazily, so ``import paco.models`` does not import torch/tra
 * :func:`materialise` (``fetch``) - spec (``tiny:<name>`` | local dir | hub id) -> HF directory;
 * :func:`build_tiny`, :data:`TINY_NAMES` (``tiny``) - tiny random-init models from a seed;
 * :func:`load_judge`, :func:`load_judge_processor`, :func:`load_clip`,
-  :func:`load_flux_pipeline`, :class:`Qwen2_5_VLImageOnlyProcessor`,
+  :func:`load_flux_pipeline`, :func:`load_pipeline`, :class:`Qwen2_5_VLImageOnlyProcessor`,
   :class:`ModelDirectoryError` (``loading``);
 * :func:`train_qwen_tokenizer`, :func:`train_clip_tokenizer`, :func:`train_t5_tokenizer`
   (``tokenizers``); :data:`PAIRWISE_TEMPLATE`, :data:`CRITERIA_TEMPLATE` (``corpus``).
@@ -28,6 +28,7 @@ _EXPORTS = {
     "load_judge_processor": "loading",
     "load_clip": "loading",
     "load_flux_pipeline": "loading",
+    "load_pipeline": "loading",
     "Qwen2_5_VLImageOnlyProcessor": "loading",
     "ModelDirectoryError": "loading",
     "train_qwen_tokenizer": "tokenizers",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -205,8 +206,47 @@ def _diffusers_dtype(dtype: torch.dtype) -> dict[str, torch.dtype]:
     return {"dtype": dtype} if renamed else {"torch_dtype": dtype}
 
 
+def load_pipeline(path: str | Path, pipeline_class: str, components: Sequence[str],
+                  dtype: torch.dtype = torch.float32):
+    """Load a diffusers pipeline directory as ``diffusers.<pipeline_class>``.
+
+    The directory's own ``model_index.json`` class may differ when the components are the same
+    (a FLUX.1-dev directory loads as ``FluxKontextPipeline``: the released Kontext config does
+    exactly that); diffusers then warns, and the components decide.
+
+    Args:
+        path: directory with ``model_index.json`` and one sub-folder per name in ``components``.
+        pipeline_class: a diffusers pipeline class name (``FluxPipeline``, ``FluxKontextPipeline``,
+            ``QwenImageEditPipeline``).
+        components: sub-folders the directory must have.
+        dtype: dtype of every module (``torch.float32`` on CPU, ``torch.bfloat16`` on GPU).
+
+    Returns:
+        The pipeline on CPU with the progress bar disabled.
+
+    Raises:
+        ModelDirectoryError: ``path`` is missing, lacks ``model_index.json`` or a component.
+        ValueError: ``pipeline_class`` is not a diffusers pipeline.
+    """
+    import diffusers
+
+    what = f"{pipeline_class} directory"
+    path = _check_dir(path, what, ["model_index.json"])
+    index = json.loads((path / "model_index.json").read_text())
+    missing = [c for c in components if c not in index or not (path / c).is_dir()]
+    if missing:
+        raise ModelDirectoryError(f"{what}: model directory {path} is incomplete, missing {missing}")
+    cls = getattr(diffusers, pipeline_class, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ValueError(f"{pipeline_class!r} is not a diffusers pipeline class")
+    pipe = cls.from_pretrained(str(path), local_files_only=True, **_diffusers_dtype(dtype))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def load_flux_pipeline(path: str | Path, dtype: torch.dtype = torch.float32):
-    """Load a FLUX.1 pipeline directory (diffusers layout) as ``diffusers.FluxPipeline``.
+    """Load a FLUX.1 pipeline directory (diffusers layout) as ``diffusers.FluxPipeline``
+    (:func:`load_pipeline`).
 
     Args:
         path: directory with ``model_index.json`` and the sub-folders ``transformer``, ``vae``,
@@ -221,13 +261,4 @@ def load_flux_pipeline(path: str | Path, dtype: torch.dtype = torch.float32):
     Raises:
         ModelDirectoryError: ``path`` is missing, lacks ``model_index.json`` or a component.
     """
-    from diffusers import FluxPipeline
-
-    path = _check_dir(path, "flux pipeline", ["model_index.json"])
-    index = json.loads((path / "model_index.json").read_text())
-    missing = [c for c in _FLUX_COMPONENTS if c not in index or not (path / c).is_dir()]
-    if missing:
-        raise ModelDirectoryError(f"flux pipeline: model directory {path} is incomplete, missing {missing}")
-    pipe = FluxPipeline.from_pretrained(str(path), local_files_only=True, **_diffusers_dtype(dtype))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_pipeline(path, "FluxPipeline", _FLUX_COMPONENTS, dtype)

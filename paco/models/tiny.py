@@ -20,6 +20,9 @@ flux           ``FluxPipeline`` layout: ``transformer`` (1 double + 1 single blo
                GroupNorm group, see ``_build_flux``), ``text_encoder`` (CLIP text),
                ``text_encoder_2`` (T5 encoder), ``tokenizer``, ``tokenizer_2``, ``scheduler``
                (flow matching, dynamic shifting)
+flux_kontext   the ``flux`` components (same configs, same weights for the same seed) as a
+               ``FluxKontextPipeline`` (``model_index.json``): FLUX.1 Kontext's transformer is a
+               ``FluxTransformer2DModel`` with the reference image's latents in its sequence
 clip           ``CLIPModel`` (text + vision, projection 64, 32 px images) + ``CLIPProcessor``
 =============  ===============================================================================
 """
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 #: Names accepted by :func:`build_tiny`.
-TINY_NAMES = ("qwen2_5_vl", "flux", "clip")
+TINY_NAMES = ("qwen2_5_vl", "flux", "flux_kontext", "clip")
 
 #: Judge image budget: at most 112x112 px (8x8 patches of 14 px -> 4x4 = 16 merged visual
 #: tokens), at least 56x56 px (4 tokens).
@@ -226,11 +229,11 @@ FLUX_SCHEDULER_CONFIG = dict(
 )
 
 
-def _build_flux(out_dir: Path, seed: int) -> None:
+def _build_flux(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") -> None:
+    import diffusers
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
-        FluxPipeline,
         FluxTransformer2DModel,
     )
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -303,7 +306,7 @@ def _build_flux(out_dir: Path, seed: int) -> None:
             mid_block_add_attention=True,
         )
     scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG)
-    pipe = FluxPipeline(
+    pipe = getattr(diffusers, pipeline_class)(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
@@ -318,6 +321,7 @@ def _build_flux(out_dir: Path, seed: int) -> None:
 _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "qwen2_5_vl": _build_qwen2_5_vl,
     "flux": _build_flux,
+    "flux_kontext": lambda out_dir, seed: _build_flux(out_dir, seed, "FluxKontextPipeline"),
     "clip": _build_clip,
 }
 
@@ -326,7 +330,7 @@ def build_tiny(name: str, out_dir: Path, seed: int) -> Path:
     """Build the tiny model ``name`` from ``seed`` and save it (HF format) into ``out_dir``.
 
     Args:
-        name: one of :data:`TINY_NAMES` (``"qwen2_5_vl"``, ``"flux"``, ``"clip"``).
+        name: one of :data:`TINY_NAMES` (``"qwen2_5_vl"``, ``"flux"``, ``"flux_kontext"``, ``"clip"``).
         out_dir: target directory; created if missing, and an existing one is emptied first
             (write to a fresh directory when atomicity matters: :func:`paco.models.fetch.materialise`
             does).
@@ -336,7 +340,7 @@ def build_tiny(name: str, out_dir: Path, seed: int) -> Path:
     Returns:
         ``out_dir``. Files: ``config.json``, ``model.safetensors`` and processor/tokenizer files
         (``qwen2_5_vl``, ``clip``) or a diffusers pipeline tree with ``model_index.json``
-        (``flux``). All weights are float32.
+        (``flux``, ``flux_kontext``). All weights are float32.
 
     Raises:
         ValueError: unknown ``name``.
