@@ -9,7 +9,7 @@ import pytest
 
 #: role -> tiny spec, as in params.yaml's embedded default (``models:``).
 TINY_ROLES = {"judge_base": "tiny:qwen2_5_vl", "policy_t2is": "tiny:flux", "policy_kontext": "tiny:flux_kontext",
-              "clip": "tiny:clip"}
+              "policy_qwen_edit": "tiny:qwen_image_edit", "clip": "tiny:clip"}
 TINY_SEED = 0
 
 
@@ -18,7 +18,8 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """Build the tiny models (seed 0) once per session; role -> model directory.
 
     Keys: ``judge_base`` (Qwen2.5-VL + processor), ``policy_t2is`` (FLUX.1 pipeline),
-    ``policy_kontext`` (FLUX.1 Kontext pipeline), ``clip`` (CLIP + processor). Treat the directories as read-only.
+    ``policy_kontext`` (FLUX.1 Kontext pipeline), ``policy_qwen_edit`` (Qwen-Image-Edit pipeline),
+    ``clip`` (CLIP + processor). Treat the directories as read-only.
     """
     from paco.models.fetch import materialise
 

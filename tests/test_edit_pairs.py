@@ -44,11 +44,11 @@ def test_candidates_and_labels_follow_the_table(edits):
         else:  # wrong_subject: the same operation on another photograph
             other = by_id[(by_id["subject"] != item["subject"]) & (by_id["task_type"] == item["task_type"])]
             assert any(np.array_equal(b, _pixels(t)) for t in other["target_image"])
-    # every item asks pf with 3 candidates; sc (3 candidates) except replace_subject
+    # every item asks pf with 3 candidates; sc (2 candidates) except replace_subject
     counts = pairs.groupby(["item_id", "question"]).size()
     for iid, task in zip(edits["item_id"], edits["task_type"]):
         assert counts[(iid, "pf")] == 3
-        assert counts.get((iid, "sc"), 0) == (0 if task == "replace_subject" else 3)
+        assert counts.get((iid, "sc"), 0) == (0 if task == "replace_subject" else 2)
 
 
 def test_repeats_mirror_odd_copies_and_ids_are_unique(edits):

@@ -522,3 +522,22 @@ def test_an_editing_subtask_trains_resumes_and_saves_a_kontext_lora(tiny_model_d
 def test_a_text_to_image_family_cannot_take_edits():
     with pytest.raises(ValueError, match="family 'flux' needs dataset 'prompts'"):
         _cfg(dataset="edits")
+
+
+def test_the_policy_gradient_can_use_a_subset_of_the_sde_steps(tiny_model_dirs, tmp_path):
+    """The released Qwen-Image-Edit trainer samples SDE steps 1-4 and trains on step 1: the
+    same rollouts, fewer transitions in the update, a different LoRA; the ratio is still 1."""
+    from safetensors.torch import load_file
+
+    common = dict(epochs=1, rollout=dict(sde_indices=[1, 2]))
+    runs = {}
+    for name, steps in (("all", None), ("first", [1])):
+        cfg = _cfg(**common, train=dict(trained_sde_steps=steps, ema=dict(enabled=False)))  # the raw LoRA
+        runs[name] = _train(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(),
+                            lora_dir=tmp_path / name, checkpoints_dir=tmp_path / f"ck-{name}")
+    assert runs["all"]["trained_transitions_per_epoch"] == 2 * runs["first"]["trained_transitions_per_epoch"]
+    assert runs["first"]["first_update_ratio_max_abs_deviation"] == 0.0
+    a, b = (load_file(str(tmp_path / n / "pytorch_lora_weights.safetensors")) for n in ("all", "first"))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="trained_sde_steps"):
+        _cfg(rollout=dict(sde_indices=[1, 2]), train=dict(trained_sde_steps=[3]))

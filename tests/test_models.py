@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from paco.models.loading import (
 from paco.models.tiny import build_tiny
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_NAME = {"judge_base": "qwen2_5_vl", "policy_t2is": "flux", "clip": "clip"}
+TINY_NAME = {"judge_base": "qwen2_5_vl", "policy_t2is": "flux", "policy_kontext": "flux_kontext",
+             "policy_qwen_edit": "qwen_image_edit", "clip": "clip"}
 
 
 def _digests(root: Path) -> dict[str, str]:
@@ -58,7 +60,7 @@ def offline(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("role", ["judge_base", "policy_t2is", "clip"])
+@pytest.mark.parametrize("role", ["judge_base", "policy_t2is", "policy_kontext", "policy_qwen_edit", "clip"])
 def test_same_seed_gives_identical_files(tiny_model_dirs, tmp_path, role):
     again = build_tiny(TINY_NAME[role], tmp_path / "again", seed=0)
     first, second = _digests(tiny_model_dirs[role]), _digests(again)
@@ -339,11 +341,13 @@ def test_models_stage_builds_every_role_the_params_name(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     raw = yaml.safe_load((root / "params.yaml").read_text())
-    raw["models"]["policy_kontext"] = "tiny:flux"
+    raw["models"]["policy_extra"] = "tiny:flux"
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(raw))
     code = stage.main(["--params", str(params), "--out", str(tmp_path / "models"), "--metrics", str(tmp_path / "m.json")])
     assert code == 0
     assert sorted(p.name for p in (tmp_path / "models").iterdir() if p.is_dir()) == [
-        "clip", "judge_base", "policy_kontext", "policy_t2is"]
-    assert (tmp_path / "models/policy_kontext/model_index.json").is_file()
+        "clip", "judge_base", "policy_extra", "policy_kontext", "policy_qwen_edit", "policy_t2is"]
+    assert (tmp_path / "models/policy_extra/model_index.json").is_file()
+    index = json.loads((tmp_path / "models/policy_qwen_edit/model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPipeline" and index["processor"] == ["transformers", "Qwen2VLProcessor"]

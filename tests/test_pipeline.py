@@ -135,6 +135,44 @@ def test_grpo_learns_and_sample_compares_with_and_without_the_lora(dvc_repo):
     assert {p.name for p in (repo / "data/final_samples/t2is/sheets").iterdir()} == {"base.png", "lora.png"}
 
 
+@pytest.mark.parametrize("subtask", ["kontext_editing", "qwen_editing"])
+def test_editing_subtasks_train_and_sample(dvc_repo, subtask):
+    """The editing subtasks run end to end on the photo edits: GRPO with the editing reward from
+    the served judge (ratio exactly 1 on each epoch's first update), a LoRA the family's pipeline
+    loads, and final edits of the held-out items with and without it. Their learning signals on
+    the embedded default are not asserted: the tiny judge does not yet learn the
+    prompt-following question (issue 10 note)."""
+    repo, _ = dvc_repo
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    cfg = params["grpo"][subtask]
+    m = report(repo, f"grpo/{subtask}")
+    assert m["first_update_ratio_max_abs_deviation"] == 0.0 and m["judge"]["requests"] > 0
+    assert m["train_prompts"] == 28 and m["eval_prompts"] == 14  # 4 train photos x 7 edits; 2 test photos
+    train = pd.read_csv(repo / f"data/grpo/{subtask}/plots/train.csv")
+    assert len(train) == cfg["epochs"] and train["consistency_for_editing_mean"].between(0, 1).all()
+    assert (repo / f"data/grpo/{subtask}/lora/pytorch_lora_weights.safetensors").is_file()
+    s = report(repo, f"final_samples/{subtask}")
+    assert set(s["rewards"]) == {"consistency_for_editing"} and s["samples"] == 2 * 14 * 2
+    samples = pd.read_parquet(repo / f"data/final_samples/{subtask}/samples.parquet")
+    assert set(samples["variant"]) == {"base", "lora"} and samples["reward_consistency_for_editing"].between(0, 1).all()
+    assert {p.name for p in (repo / f"data/final_samples/{subtask}/sheets").iterdir()} == {
+        "base.png", "lora.png", "compare.png"}
+    assert report(repo, f"grpo/{subtask}")["run"]["peak_rss_mb"] < 6144
+
+
+def test_the_editing_benchmark_scores_every_judge(dvc_repo):
+    repo, _ = dvc_repo
+    editing = report(repo, "reward_eval")["editing"]
+    assert editing["benchmark"] == "photos" and editing["items"] == 14
+    for judge in ("paco_reward", "base_zero_shot", "clip_i"):
+        dims = editing["judges"][judge]
+        assert set(dims) == {"consistency", "instruction_following", "overall"}
+        assert dims["instruction_following"]["n"] == 28 and dims["overall"]["n"] == 40
+        for d in dims.values():
+            assert 0 <= d["accuracy"] <= d["accuracy_ge"] <= 1 and 0 < d["p_value"] <= 1
+    assert set(editing["paco_reward_vs"]) == {"base_zero_shot", "clip_i"}
+
+
 def test_trained_judge_beats_chance_and_the_base_judge(dvc_repo):
     """The embedded default's learning signal on held-out prompts (ConsistencyRank metrics).
 
@@ -212,12 +250,17 @@ def test_cached_after_a_change_equals_a_fresh_clone_bit_for_bit(dvc_repo, change
     assert rep["epochs_this_run"] == 0 and rep["run_identity"]["reevaluated_epochs"] == [0, 8, 16], rep["run_identity"]
     fresh = clone(tmp_path_factory.mktemp("fresh"))
     _apply_eval_change(fresh)
-    sh([sys.executable, "-m", "dvc", "repro"], fresh)
+    # the fresh clone runs the T2IS chain and the judge's evaluation (the editing subtasks'
+    # GRPO stages are the same code path and would double the test's time)
+    sh([sys.executable, "-m", "dvc", "repro", "final_samples@t2is", "reward_eval"], fresh)
     assert report(fresh, "grpo/t2is")["epochs_this_run"] == 16
     cached, new = _artifacts(repo), _artifacts(fresh)
-    assert sorted(cached) == sorted(new)
-    assert "data/grpo/t2is/lora/pytorch_lora_weights.safetensors" in cached and "data/grpo/t2is/metrics.json" in cached
-    differ = sorted(k for k in cached if cached[k] != new[k])
+    assert set(new) <= set(cached)
+    for path in ("data/grpo/t2is/lora/pytorch_lora_weights.safetensors", "data/grpo/t2is/metrics.json",
+                 "data/final_samples/t2is/samples.parquet", "data/reward_eval/metrics.json",
+                 "data/pairs/edit_pairs.parquet", "data/labels/sft.parquet"):
+        assert path in new, path
+    differ = sorted(k for k in new if cached[k] != new[k])
     assert not differ, differ
 
 

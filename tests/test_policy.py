@@ -199,3 +199,109 @@ def test_families_by_name_and_their_options(tiny_model_dirs):
                                               (1024, 1536, 128, (112, 160)), (1024, 1024, 8, (16, 16))])
 def test_grid_size_keeps_aspect_and_area(h, w, res, expected):
     assert grid_size(h, w, res) == expected
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen-Image-Edit
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_edit(tiny_model_dirs):
+    from types import SimpleNamespace
+
+    settings = SimpleNamespace(guidance_scale=4.0, negative_prompt=" ", reference_aspect="keep")
+    lora = PolicyLoraParams(rank=4, alpha=8, target_modules=QWEN_TARGETS)
+    return load_policy("qwen_image_edit", tiny_model_dirs["policy_qwen_edit"], lora, settings, seed=0)
+
+
+#: attention and feed-forward projections of a Qwen-Image block (the FLUX names of the released
+#: config match only the attention ones: see test_released_qwen_targets_match_attention_only)
+QWEN_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                "txt_mlp.net.2"]
+
+
+def test_released_qwen_targets_match_attention_only(tiny_model_dirs):
+    """The released Qwen-Image-Edit trainer lists FLUX's feed-forward names, which peft silently
+    skips; here an unmatched target is an error naming it."""
+    from types import SimpleNamespace
+
+    released = PolicyLoraParams(rank=2, alpha=2)  # the FLUX list (the released config's)
+    with pytest.raises(ValueError, match="ff.net.0.proj"):
+        load_policy("qwen_image_edit", tiny_model_dirs["policy_qwen_edit"], released,
+                    SimpleNamespace(guidance_scale=4.0, negative_prompt=" ", reference_aspect="keep"))
+
+
+@pytest.mark.parametrize("negative", [" ", None])
+def test_noise_level_zero_reproduces_qwen_image_edit_pipeline_exactly(tiny_model_dirs, qwen_edit, monkeypatch,
+                                                                      negative):
+    """With and without true CFG (no negative prompt: guidance off, as in the released trainer)."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as qie
+
+    refs = [_photo(0, (48, 32))]
+    # the pipeline encodes the input at ~1 megapixel (calculate_dimensions); the policy at the
+    # output size: make the pipeline's size the output size for the comparison
+    monkeypatch.setattr(qie, "calculate_dimensions", lambda area, ratio: (48, 32, None))
+    pipe = qwen_edit.pipe
+    with qwen_edit.using(None):  # the base model (LoRA B is zero anyway)
+        ref = pipe(image=refs[0], prompt=PROMPTS[0], negative_prompt=negative, true_cfg_scale=4.0, height=32,
+                   width=48, num_inference_steps=4, generator=_gens(1), output_type="latent").images
+        qwen_edit.negative_prompt = negative
+        try:
+            roll = qwen_edit.generate(qwen_edit.condition(_infos(PROMPTS[:1], refs), 32, 48), height=32, width=48,
+                                      num_steps=4, noise_level=0.0, sde_indices=[1], noise_generators=_gens(1))
+        finally:
+            qwen_edit.negative_prompt = " "
+    assert torch.equal(roll.final_latents, ref.float())
+
+
+def test_qwen_true_cfg_by_hand(qwen_edit):
+    """velocity = (neg + s (cond - neg)) * |cond| / |combined| per token, from two transformer calls."""
+    cond = qwen_edit.condition(_infos(PROMPTS[:1], [_photo(2, (32, 32))]), 32, 32)
+    assert {"negative_embeds", "negative_mask"} <= set(cond.rows)
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([600.0])
+    shapes = [[(1, 2, 2), (1, 2, 2)]]
+    with torch.no_grad():
+        v = qwen_edit.velocity(x, t, cond)
+        hidden = torch.cat([x, cond["image_latents"]], 1)
+        c = qwen_edit._transformer(hidden, t, cond["prompt_embeds"], cond["prompt_mask"], shapes)[:, :4]
+        n = qwen_edit._transformer(hidden, t, cond["negative_embeds"], cond["negative_mask"], shapes)[:, :4]
+        comb = n + 4.0 * (c - n)
+        expected = comb * (c.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
+        qwen_edit.negative_prompt = None
+        try:
+            plain = qwen_edit.velocity(x, t, qwen_edit.condition(_infos(PROMPTS[:1], [_photo(2, (32, 32))]), 32, 32))
+        finally:
+            qwen_edit.negative_prompt = " "
+    torch.testing.assert_close(v, expected, rtol=0, atol=0)
+    torch.testing.assert_close(plain, c, rtol=0, atol=0)
+    assert not torch.allclose(v, c)
+
+
+def test_qwen_text_of_different_lengths_concatenates_padded(qwen_edit):
+    short = qwen_edit.condition(_infos(["grey"], [_photo(3, (32, 32))]), 32, 32)
+    long = qwen_edit.condition(_infos(["turn the whole photo into a warm evening scene with soft light"],
+                                      [_photo(3, (32, 32))]), 32, 32)
+    assert short["prompt_embeds"].shape[1] < long["prompt_embeds"].shape[1]
+    both = Conditioning.cat([short, long])
+    assert both["prompt_embeds"].shape[1] == long["prompt_embeds"].shape[1]
+    n = short["prompt_mask"].shape[1]
+    assert both["prompt_mask"][0, n:].sum() == 0 and torch.equal(both["prompt_mask"][0, :n], short["prompt_mask"][0])
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        alone = qwen_edit.velocity(x, torch.tensor([500.0]), short)
+        padded = qwen_edit.velocity(torch.cat([x, x]), torch.tensor([500.0, 500.0]), both)[:1]
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)  # masked padding changes nothing
+
+
+def test_qwen_sde_transitions_rescore(qwen_edit):
+    emb = qwen_edit.condition(_infos(PROMPTS, [_photo(6, (32, 32)), _photo(7, (32, 32))]), 32, 32)
+    roll = qwen_edit.generate(emb, height=32, width=32, num_steps=3, noise_level=1.0, sde_indices=[1],
+                              noise_generators=_gens(2), sde_generators=_gens(2, 10))
+    lp, _, _ = qwen_edit.transition_log_prob(roll.latents[:, 0, 0], roll.latents[:, 0, 1], roll.sigmas[1],
+                                             roll.sigmas[2], roll.timesteps[1], emb, 1.0)
+    torch.testing.assert_close(lp, roll.log_probs[:, 0], rtol=0, atol=1e-5)
+    images = qwen_edit.decode(roll.final_latents, 32, 32)
+    assert len(images) == 2 and images[0].size == (32, 32)

@@ -209,13 +209,13 @@ def test_model_roles_come_from_the_params():
     from paco.core.params import ParamsError, validate_params
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    assert registry.model_roles(params) == ("judge_base", "policy_t2is", "clip", "policy_kontext")
+    assert registry.model_roles(params) == ("judge_base", "policy_t2is", "clip", "policy_kontext", "policy_qwen_edit")
     params["models"]["policy_other"] = "tiny:flux"
     params["grpo"]["other"] = {**params["grpo"]["t2is"], "policy": "policy_other"}
     models = next(s for s in registry.STAGES if s.name == "models")
-    assert models.active_out_dirs(params) == tuple(f"data/models/{r}" for r in
+    assert set(models.active_out_dirs(params)) == {f"data/models/{r}" for r in
                                                    ("judge_base", "policy_t2is", "clip", "policy_kontext",
-                                                    "policy_other"))
+                                                    "policy_qwen_edit", "policy_other")}
     rendered = registry.render_dvc(params)["stages"]
     assert "data/models/policy_other" in rendered["models"]["outs"]
     assert validate_params(params, source="x").models.roles()["policy_other"] == "tiny:flux"
@@ -256,6 +256,11 @@ def test_launch_only_keys_rerun_nothing_in_either_engine():
     before = dict(sections)
     params["grpo"]["t2is"]["resources"]["runtime"] += 60
     assert member.params_sections(params) == before
+    # the committed params write every subtask with the same keys, so no foreach stage falls back
+    # to tracking its whole section (resources included) in either engine
+    for stage in (s for s in registry.STAGES if s.foreach):
+        assert f"{stage.foreach}.${{key}}" not in stage.params_entries(params), stage.name
+        assert not any(e.endswith(".resources") for e in stage.params_entries(params)), stage.name
     # members that do not share their keys: the whole section is tracked (nothing goes untracked)
     params["grpo"]["other"] = {k: v for k, v in params["grpo"]["t2is"].items() if k != "save_every"}
     assert "grpo.${key}" in grpo.params_entries(params)

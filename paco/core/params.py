@@ -493,9 +493,9 @@ class PolicyLoraParams(_Section):
 
 
 #: policy families (paco.grpo.policies.FAMILIES) and what each conditions on
-PolicyFamily = Literal["flux", "flux_kontext"]
+PolicyFamily = Literal["flux", "flux_kontext", "qwen_image_edit"]
 Dataset = Literal["prompts", "edits"]
-_FAMILY_DATASET = {"flux": "prompts", "flux_kontext": "edits"}
+_FAMILY_DATASET = {"flux": "prompts", "flux_kontext": "edits", "qwen_image_edit": "edits"}
 
 
 def _check_family_dataset(family: str, dataset: str) -> None:
@@ -522,6 +522,9 @@ class RolloutParams(_Section):
     reference_aspect: Literal["keep", "square"] = Field(
         "keep", description="editing families: the input image is resized to the output size, keeping its aspect "
         "(paper), or squashed to a square (released trainer); used in training and evaluation")
+    negative_prompt: str | None = Field(
+        " ", description="qwen_image_edit: the negative prompt of true CFG (guidance_scale is its scale); null: no "
+        "guidance (the released trainer passes none, so its true CFG is off)")
     overlap_rewards: bool = Field(True, description="score the served rewards (the judge) of each prompt's group "
                                   "(and evaluation chunk) on a worker thread while the next one is sampled; the "
                                   "results are the same "
@@ -563,6 +566,9 @@ class GrpoTrainParams(_Section):
     beta: float = Field(0.0, ge=0, description="KL weight (paper 0; the KL is logged anyway)")
     max_grad_norm: float = Field(1.0, gt=0)
     global_std: bool = Field(True, description="normalise advantages by the batch std (reference default)")
+    trained_sde_steps: list[int] | None = Field(
+        None, description="the SDE steps (indices of rollout.sde_indices' steps) the policy gradient uses; null: all "
+        "of them (paper); the released Qwen-Image-Edit trainer samples SDE steps [1, 2, 3, 4] but trains on [1]")
     ema: EmaParams = Field(default_factory=EmaParams)
 
 
@@ -601,7 +607,7 @@ class GrpoSubtaskParams(_Section):
     seed: int = 0
     policy: str = Field("policy_t2is", description="models role of the policy")
     family: PolicyFamily = Field("flux", description="policy family (paco.grpo.policies.FAMILIES): flux (text to "
-                                 "image) | flux_kontext (editing)")
+                                 "image) | flux_kontext | qwen_image_edit (editing)")
     dataset: Dataset = Field("prompts", description="prompts (T2IS prompts.parquet) | edits (edits.parquet): "
                              "what the family conditions on")
     split: str = Field("train", description="prompts (or edit items) sampled for training")
@@ -633,6 +639,10 @@ class GrpoSubtaskParams(_Section):
     @model_validator(mode="after")
     def _family_dataset(self) -> GrpoSubtaskParams:
         _check_family_dataset(self.family, self.dataset)
+        steps = self.train.trained_sde_steps
+        if steps is not None and (not steps or set(steps) - set(self.rollout.sde_indices)):
+            raise ValueError(f"train.trained_sde_steps {steps} must be a non-empty subset of rollout.sde_indices "
+                             f"{self.rollout.sde_indices}")
         return self
 
 
@@ -652,6 +662,7 @@ class FinalSamplesParams(_Section):
     batch_size: int = Field(4, ge=1)
     max_sequence_length: int = Field(512, ge=8, le=512)
     reference_aspect: Literal["keep", "square"] = Field("keep", description="as grpo.<subtask>.rollout.reference_aspect")
+    negative_prompt: str | None = Field(" ", description="as grpo.<subtask>.rollout.negative_prompt")
     rewards: list[str] = Field(default_factory=lambda: ["consistency", "clip_t", "pickscore"],
                                description="rewards scored (the first one's gain is the stage's headline metric)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16 applies on CUDA only")

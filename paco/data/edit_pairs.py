@@ -9,7 +9,7 @@ For every item of ``edits.parquet`` with a ``target_image`` (the ``photos`` sour
 candidate      what it is                                  ``pf`` (follows)    ``sc`` (consistent)
 =============  =========================================  ==================  ==================
 correct        the item's computed result                  Yes                 Yes
-unchanged      the original itself                         No                  Yes
+unchanged      the original itself                         No                  --
 wrong_edit     another operation's result on the same      No                  --
                photograph
 wrong_subject  the same operation on another photograph    --                  No
@@ -17,8 +17,10 @@ wrong_subject  the same operation on another photograph    --                  N
 
 ``pf`` pairs carry the prompt-following question (template ``edit_pf``), ``sc`` pairs the
 semantic-consistency question (``edit_sc``), both with the item's instruction
-(:mod:`paco.judge.templates`). ``--`` pairs are not made: the label would be ambiguous (a wrong
-operation keeps the subject's identity but not its style). ``sc`` pairs are not made for
+(:mod:`paco.judge.templates`). ``--`` pairs are not made: a wrong operation keeps the subject's
+identity but not its style (ambiguous), and an unchanged image is trivially consistent: as a
+Yes it teaches the small judge that identical means Yes, which the prompt-following question
+then contradicts (measured: held-out PF accuracy 0.32 with it, below chance). ``sc`` pairs are not made for
 ``replace_subject`` items (the intended change is the subject itself, so "another photograph"
 is not a clean negative). Candidates are drawn with ``stable_seed(seed, ...)``, so the table is
 the same in any process. Each pair is repeated ``repeats`` times; odd repeats mirror both images
@@ -47,7 +49,7 @@ EDIT_PAIR_COLUMNS = ["pair_id", "item_id", "split", "task_type", "question", "ca
 #: (candidate, question) -> label; the pairs made for every item (module table)
 PAIR_LABELS: dict[tuple[str, str], bool] = {
     ("correct", "pf"): True, ("unchanged", "pf"): False, ("wrong_edit", "pf"): False,
-    ("correct", "sc"): True, ("unchanged", "sc"): True, ("wrong_subject", "sc"): False,
+    ("correct", "sc"): True, ("wrong_subject", "sc"): False,
 }
 
 #: question -> judge template

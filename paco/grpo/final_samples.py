@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 
 from paco.core.seeding import stable_seed
 from paco.core.io import encode_image
@@ -58,7 +58,8 @@ def _generate(policy: Policy, jobs: Sequence[tuple[PromptInfo, int, tuple[int, i
 
 def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], *, columns: int = 4,
                   thumb: int = 256, title: str = "") -> Image.Image:
-    """A PNG-able grid of thumbnails (longest side ``thumb`` px), each captioned with its label."""
+    """A PNG-able grid of thumbnails (each scaled to a longest side of ``thumb`` px), each
+    captioned with its label."""
     cols = max(1, min(columns, len(images)))
     rows = max(1, -(-len(images) // cols))
     cap, pad, head = 14, 6, 18 if title else 0
@@ -67,8 +68,7 @@ def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], *, colum
     if title:
         draw.text((pad, 3), title, fill="black")
     for k, (im, label) in enumerate(zip(images, labels, strict=True)):
-        t = im.copy()
-        t.thumbnail((thumb, thumb))
+        t = ImageOps.contain(im, (thumb, thumb))  # up or down to the cell, aspect kept
         x = pad + (k % cols) * (thumb + pad)
         y = head + pad + (k // cols) * (thumb + cap + pad)
         sheet.paste(t, (x + (thumb - t.width) // 2, y + (thumb - t.height) // 2))

@@ -408,6 +408,9 @@ class GrpoRun:
     eval_sizes: list[tuple[int, int]]
     checkpoints_dir: Path
     plots_dir: Path | None
+    #: (prompt id, height, width) -> the prompt's conditioning at that size, on the CPU: the
+    #: encoders are frozen, so a prompt drawn again in a later epoch reuses it (:meth:`condition`)
+    conditions: dict[tuple[str, int, int], Conditioning] = field(default_factory=dict)
 
     @property
     def main(self) -> bool:
@@ -420,6 +423,14 @@ class GrpoRun:
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return list(self.trained.values())
+
+    def condition(self, prompt_id: str, height: int, width: int) -> Conditioning:
+        """The conditioning of a train prompt at ``height x width`` on the policy's device
+        (:meth:`paco.grpo.policies.base.Policy.condition`, computed once per run)."""
+        key = (prompt_id, int(height), int(width))
+        if key not in self.conditions:
+            self.conditions[key] = self.policy.condition([self.infos[prompt_id]], height, width).to_device("cpu")
+        return self.conditions[key].to_device(self.device)
 
     def eval_weights_path(self, epoch: int) -> Path:
         return self.checkpoints_dir / EVAL_WEIGHTS_DIR / f"{CHECKPOINT_PREFIX}{epoch:04d}.safetensors"
@@ -688,7 +699,7 @@ def rollout(run: GrpoRun, epoch: int) -> Rollout:
                 if not mine:
                     continue
                 h, w = run.train_size[pid]
-                emb = run.policy.condition([run.infos[pid]], h, w)
+                emb = run.condition(pid, h, w)
                 tr, ims = sample_group(run.policy, run.infos[pid], emb, mine, cfg, epoch, h, w,
                                        base_index=k * cfg.group_size)
                 trajs += tr
@@ -757,11 +768,12 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
     """
     cfg, t, policy, device = run.cfg, run.cfg.train, run.policy, run.device
     by_index = {tj.index: tj for tj in roll.trajectories}
-    n_sde = len(cfg.rollout.sde_indices)
+    trained_steps = [j for j, step in enumerate(sorted(cfg.rollout.sde_indices))
+                     if t.trained_sde_steps is None or step in t.trained_sde_steps]
     stats = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0, "n": 0.0}
     grad_norms = []
     for step_no, mb in enumerate(minibatches(run.n_traj, t.gradient_steps_per_epoch, cfg.seed, epoch)):
-        denom = float(len(mb) * n_sde)
+        denom = float(len(mb) * len(trained_steps))
         local_idx = [int(i) for i in mb if int(i) in by_index]
         shapes: dict[tuple[int, int], list[int]] = {}
         for i in local_idx:
@@ -772,7 +784,7 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
                 chunk = [by_index[i] for i in idx[c0:c0 + t.batch_size]]
                 emb = Conditioning.cat([c.embeds for c in chunk]).to_device(device)
                 a = torch.tensor([adv[c.index] for c in chunk], dtype=torch.float32, device=device)
-                for j in range(n_sde):
+                for j in trained_steps:
                     step = chunk[0].sde_indices[j]
                     x = torch.stack([c.latents[j, 0] for c in chunk]).to(device)
                     x_next = torch.stack([c.latents[j, 1] for c in chunk]).to(device)
@@ -1087,6 +1099,7 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
         "torch_threads_per_process": torch.get_num_threads(),
         "trajectories_per_epoch": run.n_traj,
         "transitions_per_epoch": run.n_traj * len(cfg.rollout.sde_indices),
+        "trained_transitions_per_epoch": run.n_traj * len(cfg.train.trained_sde_steps or cfg.rollout.sde_indices),
         "optimizer_steps": cfg.epochs * cfg.train.gradient_steps_per_epoch,
         "lora_parameters": n_lora,
         "train_resolution": cfg.train.resolution,

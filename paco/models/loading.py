@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -207,7 +207,7 @@ def _diffusers_dtype(dtype: torch.dtype) -> dict[str, torch.dtype]:
 
 
 def load_pipeline(path: str | Path, pipeline_class: str, components: Sequence[str],
-                  dtype: torch.dtype = torch.float32):
+                  dtype: torch.dtype = torch.float32, overrides: Mapping[str, Any] | None = None):
     """Load a diffusers pipeline directory as ``diffusers.<pipeline_class>``.
 
     The directory's own ``model_index.json`` class may differ when the components are the same
@@ -220,6 +220,8 @@ def load_pipeline(path: str | Path, pipeline_class: str, components: Sequence[st
             ``QwenImageEditPipeline``).
         components: sub-folders the directory must have.
         dtype: dtype of every module (``torch.float32`` on CPU, ``torch.bfloat16`` on GPU).
+        overrides: components already loaded (e.g. Qwen-Image-Edit's processor, image-only),
+            passed to ``from_pretrained``.
 
     Returns:
         The pipeline on CPU with the progress bar disabled.
@@ -239,7 +241,15 @@ def load_pipeline(path: str | Path, pipeline_class: str, components: Sequence[st
     cls = getattr(diffusers, pipeline_class, None)
     if cls is None or not hasattr(cls, "from_pretrained"):
         raise ValueError(f"{pipeline_class!r} is not a diffusers pipeline class")
-    pipe = cls.from_pretrained(str(path), local_files_only=True, **_diffusers_dtype(dtype))
+    from diffusers.utils import logging as df_logging
+
+    level = df_logging.get_verbosity()
+    if overrides:  # diffusers warns that an override is not the class model_index.json names
+        df_logging.set_verbosity_error()
+    try:
+        pipe = cls.from_pretrained(str(path), local_files_only=True, **_diffusers_dtype(dtype), **dict(overrides or {}))
+    finally:
+        df_logging.set_verbosity(level)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

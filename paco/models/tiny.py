@@ -23,6 +23,10 @@ flux           ``FluxPipeline`` layout: ``transformer`` (1 double + 1 single blo
 flux_kontext   the ``flux`` components (same configs, same weights for the same seed) as a
                ``FluxKontextPipeline`` (``model_index.json``): FLUX.1 Kontext's transformer is a
                ``FluxTransformer2DModel`` with the reference image's latents in its sequence
+qwen_image_   ``QwenImageEditPipeline`` layout: ``transformer`` (``QwenImageTransformer2DModel``, 2
+edit           blocks, 2 heads x 16), ``vae`` (``AutoencoderKLQwenImage``, 16 latent channels, scale
+               factor 8), ``text_encoder`` (the ``qwen2_5_vl`` model), ``tokenizer`` and
+               ``processor`` (its tokenizer and image-only processor), ``scheduler`` (Qwen-Image's)
 clip           ``CLIPModel`` (text + vision, projection 64, 32 px images) + ``CLIPProcessor``
 =============  ===============================================================================
 """
@@ -37,7 +41,7 @@ from pathlib import Path
 import torch
 
 #: Names accepted by :func:`build_tiny`.
-TINY_NAMES = ("qwen2_5_vl", "flux", "flux_kontext", "clip")
+TINY_NAMES = ("qwen2_5_vl", "flux", "flux_kontext", "qwen_image_edit", "clip")
 
 #: Judge image budget: at most 112x112 px (8x8 patches of 14 px -> 4x4 = 16 merged visual
 #: tokens), at least 56x56 px (4 tokens).
@@ -85,6 +89,13 @@ LM_HEAD_INIT_SCALE = 10.0
 
 
 def _build_qwen2_5_vl(out_dir: Path, seed: int) -> None:
+    model, processor = _qwen2_5_vl(seed)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+
+
+def _qwen2_5_vl(seed: int) -> tuple[object, object]:
+    """The tiny Qwen2.5-VL (model, image-only processor) drawn from ``seed``."""
     from transformers import (
         GenerationConfig,
         Qwen2_5_VLConfig,
@@ -155,8 +166,6 @@ def _build_qwen2_5_vl(out_dir: Path, seed: int) -> None:
         pad_token_id=ids["<|endoftext|>"],
         do_sample=False,
     )
-    model.save_pretrained(out_dir)
-
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=JUDGE_MIN_PIXELS,
         max_pixels=JUDGE_MAX_PIXELS,
@@ -167,7 +176,7 @@ def _build_qwen2_5_vl(out_dir: Path, seed: int) -> None:
     processor = Qwen2_5_VLImageOnlyProcessor(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
     )
-    processor.save_pretrained(out_dir)
+    return model, processor
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,10 +327,78 @@ def _build_flux(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") 
     pipe.save_pretrained(out_dir)
 
 
+# --------------------------------------------------------------------------------------------
+# Qwen-Image-Edit
+# --------------------------------------------------------------------------------------------
+
+#: Qwen-Image's scheduler config (Qwen/Qwen-Image-Edit scheduler/scheduler_config.json).
+QWEN_IMAGE_SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+)
+
+
+def _build_qwen_image_edit(out_dir: Path, seed: int) -> None:
+    import json
+
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    # the text encoder is the tiny Qwen2.5-VL (as the real one is Qwen2.5-VL-7B), same seed
+    text_encoder, processor = _qwen2_5_vl(seed)
+    with _seeded(seed + 1):
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=64,  # 16 latent channels x 2x2 packing
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=text_encoder.config.text_config.hidden_size,
+            guidance_embeds=False,
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=16,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
+            attn_scales=[],
+            temperal_downsample=[False, True, True],  # 3 levels -> vae_scale_factor 8 as in Qwen-Image
+        )
+    pipe = QwenImageEditPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=processor.tokenizer,
+        processor=processor,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(out_dir)
+    # the stock layout (Qwen/Qwen-Image-Edit): the processor is a transformers Qwen2VLProcessor;
+    # without torchvision it is loaded image-only (paco.models.loading.load_pipeline's overrides)
+    index_path = out_dir / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "qwen2_5_vl": _build_qwen2_5_vl,
     "flux": _build_flux,
     "flux_kontext": lambda out_dir, seed: _build_flux(out_dir, seed, "FluxKontextPipeline"),
+    "qwen_image_edit": _build_qwen_image_edit,
     "clip": _build_clip,
 }
 
@@ -330,7 +407,7 @@ def build_tiny(name: str, out_dir: Path, seed: int) -> Path:
     """Build the tiny model ``name`` from ``seed`` and save it (HF format) into ``out_dir``.
 
     Args:
-        name: one of :data:`TINY_NAMES` (``"qwen2_5_vl"``, ``"flux"``, ``"flux_kontext"``, ``"clip"``).
+        name: one of :data:`TINY_NAMES`.
         out_dir: target directory; created if missing, and an existing one is emptied first
             (write to a fresh directory when atomicity matters: :func:`paco.models.fetch.materialise`
             does).
@@ -340,7 +417,7 @@ def build_tiny(name: str, out_dir: Path, seed: int) -> Path:
     Returns:
         ``out_dir``. Files: ``config.json``, ``model.safetensors`` and processor/tokenizer files
         (``qwen2_5_vl``, ``clip``) or a diffusers pipeline tree with ``model_index.json``
-        (``flux``, ``flux_kontext``). All weights are float32.
+        (``flux``, ``flux_kontext``, ``qwen_image_edit``). All weights are float32.
 
     Raises:
         ValueError: unknown ``name``.

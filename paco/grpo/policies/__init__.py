@@ -6,6 +6,7 @@ family             diffusers pipeline          subtask (paper §7, Table 4)
 =================  =========================  ======================================================
 flux               ``FluxPipeline``            text-to-image sets (FLUX.1-dev)
 flux_kontext       ``FluxKontextPipeline``     image editing (FLUX.1-Kontext-dev)
+qwen_image_edit    ``QwenImageEditPipeline``   image editing (Qwen-Image-Edit)
 =================  =========================  ======================================================
 
 The interface and the shared sampling live in :mod:`paco.grpo.policies.base`.
@@ -27,12 +28,13 @@ from paco.grpo.policies.base import (
     grid_size,
 )
 from paco.grpo.policies.flux import FluxKontextPolicy, FluxPolicy
+from paco.grpo.policies.qwen_image import QwenImageEditPolicy
 
 #: family name -> policy class
-FAMILIES: dict[str, type[Policy]] = {cls.family: cls for cls in (FluxPolicy, FluxKontextPolicy)}
+FAMILIES: dict[str, type[Policy]] = {cls.family: cls for cls in (FluxPolicy, FluxKontextPolicy, QwenImageEditPolicy)}
 
 __all__ = ["FAMILIES", "OLD_ADAPTER", "TRAINED_ADAPTER", "Conditioning", "FluxKontextPolicy", "FluxPolicy",
-           "Policy", "Rollout", "grid_size", "load_policy", "policy_class"]
+           "Policy", "QwenImageEditPolicy", "Rollout", "grid_size", "load_policy", "policy_class"]
 
 
 def policy_class(family: str) -> type[Policy]:
@@ -67,6 +69,6 @@ def load_policy(family: str, model_dir: str | Path, lora: Any | None, settings: 
     missing = [k for k in cls.option_keys if not hasattr(settings, k)]
     if missing:
         raise ValueError(f"policy family {family!r} needs the settings {missing}")
-    pipe = load_pipeline(model_dir, cls.pipeline_class, cls.components, dtype)
+    pipe = load_pipeline(model_dir, cls.pipeline_class, cls.components, dtype, cls.component_overrides(model_dir))
     pipe.to(device)
     return cls(pipe, lora, seed=seed, **{k: getattr(settings, k) for k in cls.option_keys})

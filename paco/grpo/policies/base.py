@@ -57,10 +57,13 @@ class Conditioning:
             ``image_latents`` ``(B, seq_ref, C)``.
         shared: tensors the same for every row, e.g. FLUX's position ids ``text_ids`` ``(L, 3)``
             and ``img_ids`` ``(seq [+ seq_ref], 3)``.
+        pad: row tensors of variable length (dim 1) and their pad value, e.g. Qwen-Image's text
+            embeddings and their attention mask: :meth:`cat` right-pads them to the longest.
     """
 
     rows: dict[str, torch.Tensor]
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    pad: dict[str, float] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.rows[name] if name in self.rows else self.shared[name]
@@ -75,15 +78,16 @@ class Conditioning:
     def select(self, index: Sequence[int] | torch.Tensor) -> Conditioning:
         """The rows ``index`` (repeats allowed: ``select([0] * G)`` gives a group)."""
         idx = torch.as_tensor(index, dtype=torch.long)
-        return Conditioning({k: v[idx.to(v.device)] for k, v in self.rows.items()}, dict(self.shared))
+        return Conditioning({k: v[idx.to(v.device)] for k, v in self.rows.items()}, dict(self.shared), dict(self.pad))
 
     def to_device(self, device: torch.device | str) -> Conditioning:
         return Conditioning({k: v.to(device) for k, v in self.rows.items()},
-                            {k: v.to(device) for k, v in self.shared.items()})
+                            {k: v.to(device) for k, v in self.shared.items()}, dict(self.pad))
 
     @staticmethod
     def cat(parts: Sequence[Conditioning]) -> Conditioning:
-        """Rows of ``parts`` concatenated; the shared tensors must be equal (same size).
+        """Rows of ``parts`` concatenated (the :attr:`pad` tensors right-padded along dim 1 to
+        the longest); the shared tensors must be equal (same size).
 
         Raises:
             ValueError: the parts have different keys or shared tensors (e.g. two image sizes).
@@ -93,7 +97,16 @@ class Conditioning:
             if p.rows.keys() != first.rows.keys() or p.shared.keys() != first.shared.keys() or any(
                     p.shared[k].shape != v.shape or not torch.equal(p.shared[k], v) for k, v in first.shared.items()):
                 raise ValueError("cannot concatenate conditionings of different layouts or sizes")
-        return Conditioning({k: torch.cat([p.rows[k] for p in parts]) for k in first.rows}, dict(first.shared))
+
+        def rows(k: str) -> list[torch.Tensor]:
+            ts = [p.rows[k] for p in parts]
+            if k not in first.pad:
+                return ts
+            n = max(t.shape[1] for t in ts)
+            return [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, n - t.shape[1]], value=first.pad[k])
+                    for t in ts]
+
+        return Conditioning({k: torch.cat(rows(k)) for k in first.rows}, dict(first.shared), dict(first.pad))
 
 
 @dataclass
@@ -149,6 +162,11 @@ class Policy(abc.ABC):
     edits: ClassVar[bool] = False
     #: the constructor's keyword options that come from the params (:func:`paco.grpo.policies.load_policy`)
     option_keys: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def component_overrides(cls, model_dir: str | Path) -> dict[str, Any]:
+        """Components loaded by the family itself and passed to ``from_pretrained`` (default none)."""
+        return {}
 
     def __init__(self, pipe: Any, lora: Any | None, *, seed: int = 0):
         self.pipe = pipe
