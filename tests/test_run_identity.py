@@ -112,7 +112,7 @@ def test_deps_are_hashed_where_the_command_line_points(workspace, tmp_path_facto
     other.write_bytes(b"another table")
 
     class Args:
-        prompts = str(other)
+        items = str(other)  # --items: the subtask dataset's table
 
     base = _identity(ws)
     moved = stage_identity("grpo@t2is", ws / "params.yaml", root=ws, args=Args())
