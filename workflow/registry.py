@@ -32,6 +32,8 @@ from typing import Any
 
 import yaml
 
+from paco.core.run_identity import without_keys
+
 PARAMS_FILE = "params.yaml"
 #: the model roles every run needs; ``models:`` may name more (:func:`model_roles`)
 MODEL_ROLES = ("judge_base", "policy_t2is", "clip")
@@ -88,19 +90,6 @@ def _keys_without(section: Any, excluded: list[str]) -> list[str] | None:
             out += [f"{key}.{k}" for k in sub]
         else:
             out.append(key)
-    return out
-
-
-def _without(section: Any, excluded: list[str]) -> Any:
-    """A copy of ``section`` without the ``excluded`` dotted keys."""
-    if not isinstance(section, Mapping):
-        return section
-    out = {}
-    for key, value in section.items():
-        if key in excluded:
-            continue
-        below = [e[len(key) + 1:] for e in excluded if e.startswith(key + ".")]
-        out[key] = _without(value, below) if below else value
     return out
 
 
@@ -308,7 +297,7 @@ class Member:
                 node = node.get(part) if isinstance(node, Mapping) else None
             # launch-only keys (resources) rerun nothing, as in dvc.yaml (Stage.params_entries)
             excluded = [k[len(key) + 1:] for k in self.stage.launch if k.startswith(key + ".")]
-            out[self.resolve(key, {})] = _without(node, excluded) if excluded else node
+            out[self.resolve(key, {})] = without_keys(node, excluded) if excluded else node
         return out
 
 

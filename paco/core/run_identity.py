@@ -91,7 +91,7 @@ def _get(tree: Any, dotted: str) -> Any:
     return node
 
 
-def _without(tree: Any, dotted_keys: list[str]) -> Any:
+def without_keys(tree: Any, dotted_keys: list[str]) -> Any:
     """A deep copy of ``tree`` without the given dotted keys (relative to ``tree``)."""
     if not isinstance(tree, Mapping):
         return tree
@@ -100,7 +100,7 @@ def _without(tree: Any, dotted_keys: list[str]) -> Any:
         if k in dotted_keys:
             continue
         sub = [d.split(".", 1)[1] for d in dotted_keys if "." in d and d.split(".", 1)[0] == k]
-        out[k] = _without(v, sub) if sub else v
+        out[k] = without_keys(v, sub) if sub else v
     return out
 
 
@@ -187,7 +187,7 @@ def params_identity(member: str, sections: Mapping[str, Any]) -> RunIdentity:
         if key not in sections:
             raise KeyError(f"{member}: params section {key!r} not given")
         rel = [e[len(key) + 1:] for e in excluded if e.startswith(key + ".")]
-        parts[f"params:{key}"] = _sha256_json(_without(sections[key], rel))
+        parts[f"params:{key}"] = _sha256_json(without_keys(sections[key], rel))
     evaluation = {}
     for k in stage.evaluation:
         key = m.resolve(k, {})

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
-from paco.grpo.sde import sde_step
+from paco.grpo.sde import flux_sigmas, sde_step
 
 TRAINED_ADAPTER = "default"
 OLD_ADAPTER = "old"
@@ -139,7 +139,8 @@ class Policy(abc.ABC):
     """A diffusers flow-matching pipeline wrapped as a GRPO policy (see the module docstring).
 
     Subclasses set :attr:`family`, :attr:`pipeline_class`, :attr:`components` and
-    :attr:`edits` and implement the five abstract methods.
+    :attr:`edits` and implement ``condition``, ``velocity``, ``initial_latents`` and ``decode``
+    (``schedule`` is the packed-latent one unless overridden).
 
     Args:
         pipe: a loaded pipeline of :attr:`pipeline_class` (:func:`paco.grpo.policies.load_policy`).
@@ -220,15 +221,56 @@ class Policy(abc.ABC):
         """Packed initial noise ``(batch, seq, C)`` float32, row ``i`` drawn from ``generators[i]``."""
 
     @abc.abstractmethod
-    def schedule(self, height: int, width: int, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sigmas (N+1,), timesteps (N,))`` float32 for this image size."""
-
-    @abc.abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
         """Packed latents ``(B, seq, C)`` -> ``B`` RGB PIL images of ``height x width``."""
 
     #: height and width must be multiples of this (VAE factor x packing)
     size_multiple: int = 16
+
+    # ---------------------------------------------------------------------------- packed latents
+
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        """``(h, w)`` of the VAE latent of a ``height x width`` px image, each even (the 2x2
+        packing of FLUX and Qwen-Image): ``2 * (side // (2 * vae_scale_factor))``."""
+        f = 2 * self.pipe.vae_scale_factor
+        return 2 * (int(height) // f), 2 * (int(width) // f)
+
+    def schedule(self, height: int, width: int, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sigmas (N+1,), timesteps (N,))`` float32: the pipeline scheduler's shifted schedule
+        for this image's packed sequence length ``(h / 2) * (w / 2)``
+        (:func:`paco.grpo.sde.flux_sigmas`; FLUX and Qwen-Image compute it alike)."""
+        h, w = self.latent_grid(height, width)
+        return flux_sigmas(self.pipe.scheduler, num_steps, (h // 2) * (w // 2))
+
+    # ---------------------------------------------------------------------------- editing families
+
+    #: editing families: ``keep`` (the reference is resized to the output size, keeping its
+    #: aspect; the paper) or ``square`` (squashed to a ``min(h, w)`` square; the released trainers)
+    reference_aspect: str = "keep"
+
+    def set_reference_aspect(self, aspect: str) -> None:
+        """Raises ValueError unless ``aspect`` is ``keep`` or ``square``."""
+        if aspect not in ("keep", "square"):
+            raise ValueError(f"reference_aspect must be keep or square, got {aspect!r}")
+        self.reference_aspect = aspect
+
+    def reference_size(self, height: int, width: int) -> tuple[int, int]:
+        """``(h, w)`` px the reference is encoded at for an output of ``height x width``."""
+        if self.reference_aspect == "square":
+            side = min(int(height), int(width))
+            return side, side
+        return int(height), int(width)
+
+    def references(self, prompts: Sequence[Any]) -> list[Image.Image]:
+        """The prompts' reference (input) images.
+
+        Raises:
+            ValueError: a prompt without one (names up to five).
+        """
+        missing = [p.prompt_id for p in prompts if getattr(p, "reference", None) is None]
+        if missing:
+            raise ValueError(f"{self.family}: prompts {missing[:5]} have no reference (input) image")
+        return [p.reference for p in prompts]
 
     # ---------------------------------------------------------------------------- adapters
 

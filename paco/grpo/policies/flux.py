@@ -23,7 +23,6 @@ import torch
 from PIL import Image
 
 from paco.grpo.policies.base import Conditioning, Policy
-from paco.grpo.sde import flux_sigmas
 
 #: the modules of a FLUX pipeline directory (FluxPipeline and FluxKontextPipeline alike)
 FLUX_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
@@ -70,8 +69,7 @@ class FluxPolicy(Policy):
 
     def latent_ids(self, height: int, width: int) -> torch.Tensor:
         """FLUX image position ids ``(seq, 3)`` for an image of ``height x width`` px."""
-        vsf = self.pipe.vae_scale_factor
-        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
+        h, w = self.latent_grid(height, width)
         return self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, torch.float32)
 
     def condition(self, prompts: Sequence[Any], height: int, width: int) -> Conditioning:
@@ -105,20 +103,14 @@ class FluxPolicy(Policy):
 
     def initial_latents(self, batch: int, height: int, width: int,
                         generators: Sequence[torch.Generator]) -> torch.Tensor:
-        channels = self.transformer.config.in_channels // 4
-        vsf = self.pipe.vae_scale_factor
-        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
         from diffusers.utils.torch_utils import randn_tensor
+
+        channels = self.transformer.config.in_channels // 4
+        h, w = self.latent_grid(height, width)
 
         noise = randn_tensor((batch, channels, h, w), generator=list(generators), device=self.device,
                              dtype=torch.float32)
         return self.pipe._pack_latents(noise, batch, channels, h, w)
-
-    def schedule(self, height: int, width: int, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """FLUX's shifted schedule for this image's sequence length (:func:`paco.grpo.sde.flux_sigmas`)."""
-        vsf = self.pipe.vae_scale_factor
-        seq = (int(height) // (vsf * 2)) * (int(width) // (vsf * 2))
-        return flux_sigmas(self.pipe.scheduler, num_steps, seq)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
@@ -137,8 +129,8 @@ class FluxKontextPolicy(FluxPolicy):
     Args:
         reference_aspect: ``keep`` (the paper's intent: the reference is resized to the output
             size, which keeps its aspect, :func:`paco.grpo.policies.base.grid_size`) or
-            ``square`` (the released trainer: the reference is squashed to a
-            ``min(h, w)``-sided square whatever its aspect).
+            ``square`` (the released trainer: squashed to a ``min(h, w)``-sided square;
+            :meth:`paco.grpo.policies.base.Policy.reference_size`).
     """
 
     family = "flux_kontext"
@@ -148,16 +140,7 @@ class FluxKontextPolicy(FluxPolicy):
 
     def __init__(self, pipe: Any, lora: Any | None, *, reference_aspect: str = "keep", **kwargs: Any):
         super().__init__(pipe, lora, **kwargs)
-        if reference_aspect not in ("keep", "square"):
-            raise ValueError(f"reference_aspect must be keep or square, got {reference_aspect!r}")
-        self.reference_aspect = reference_aspect
-
-    def reference_size(self, height: int, width: int) -> tuple[int, int]:
-        """``(h, w)`` px the reference is encoded at for an output of ``height x width``."""
-        if self.reference_aspect == "square":
-            side = min(int(height), int(width))
-            return side, side
-        return int(height), int(width)
+        self.set_reference_aspect(reference_aspect)
 
     @torch.no_grad()
     def encode_reference(self, images: Sequence[Image.Image], height: int, width: int) -> torch.Tensor:
@@ -185,16 +168,14 @@ class FluxKontextPolicy(FluxPolicy):
             ValueError: a prompt without a reference image, or a bad size.
         """
         self.check_size(height, width)
-        missing = [p.prompt_id for p in prompts if getattr(p, "reference", None) is None]
-        if missing:
-            raise ValueError(f"{self.family}: prompts {missing[:5]} have no reference (input) image")
+        references = self.references(prompts)
         rh, rw = self.reference_size(height, width)
         text = self.encode_text([p.prompt for p in prompts])
         ref_ids = self.latent_ids(rh, rw).clone()
         ref_ids[..., 0] = 1
         return Conditioning(
             {"prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"],
-             "image_latents": self.encode_reference([p.reference for p in prompts], rh, rw)},
+             "image_latents": self.encode_reference(references, rh, rw)},
             {"text_ids": text["text_ids"], "img_ids": torch.cat([self.latent_ids(height, width), ref_ids])})
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:

@@ -26,7 +26,6 @@ import torch
 from PIL import Image
 
 from paco.grpo.policies.base import Conditioning, Policy
-from paco.grpo.sde import flux_sigmas
 
 #: the modules of a Qwen-Image-Edit pipeline directory
 QWEN_IMAGE_EDIT_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "processor", "scheduler")
@@ -41,8 +40,8 @@ class QwenImageEditPolicy(Policy):
             a ``negative_prompt`` is given.
         negative_prompt: the unconditional text (the pipeline's documented default is ``" "``);
             ``None``: no guidance (the released trainer).
-        reference_aspect: ``keep`` or ``square`` (see
-            :class:`paco.grpo.policies.flux.FluxKontextPolicy`).
+        reference_aspect: ``keep`` or ``square``
+            (:meth:`paco.grpo.policies.base.Policy.reference_size`).
     """
 
     family = "qwen_image_edit"
@@ -54,11 +53,9 @@ class QwenImageEditPolicy(Policy):
     def __init__(self, pipe: Any, lora: Any | None, *, guidance_scale: float = 4.0,
                  negative_prompt: str | None = " ", reference_aspect: str = "keep", seed: int = 0):
         super().__init__(pipe, lora, seed=seed)
-        if reference_aspect not in ("keep", "square"):
-            raise ValueError(f"reference_aspect must be keep or square, got {reference_aspect!r}")
+        self.set_reference_aspect(reference_aspect)
         self.true_cfg_scale = float(guidance_scale)
         self.negative_prompt = negative_prompt
-        self.reference_aspect = reference_aspect
         self.size_multiple = 2 * pipe.vae_scale_factor
 
     @property
@@ -75,12 +72,6 @@ class QwenImageEditPolicy(Policy):
         return {"processor": load_judge_processor(Path(model_dir) / "processor")}
 
     # ---------------------------------------------------------------------------- conditioning
-
-    def reference_size(self, height: int, width: int) -> tuple[int, int]:
-        if self.reference_aspect == "square":
-            side = min(int(height), int(width))
-            return side, side
-        return int(height), int(width)
 
     @torch.no_grad()
     def encode_text(self, texts: Sequence[str], images: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,11 +107,8 @@ class QwenImageEditPolicy(Policy):
             ValueError: a prompt without a reference image, or a bad size.
         """
         self.check_size(height, width)
-        missing = [p.prompt_id for p in prompts if getattr(p, "reference", None) is None]
-        if missing:
-            raise ValueError(f"{self.family}: prompts {missing[:5]} have no reference (input) image")
         rh, rw = self.reference_size(height, width)
-        refs = [self.pipe.image_processor.resize(p.reference.convert("RGB"), rh, rw) for p in prompts]
+        refs = [self.pipe.image_processor.resize(r.convert("RGB"), rh, rw) for r in self.references(prompts)]
         embeds, mask = self.encode_text([p.prompt for p in prompts], refs)
         rows = {"prompt_embeds": embeds, "prompt_mask": mask, "image_latents": self.encode_reference(refs)}
         if self.true_cfg:
@@ -163,15 +151,9 @@ class QwenImageEditPolicy(Policy):
         from diffusers.utils.torch_utils import randn_tensor
 
         c = self.transformer.config.in_channels // 4
-        vsf = self.pipe.vae_scale_factor
-        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
+        h, w = self.latent_grid(height, width)
         noise = randn_tensor((batch, 1, c, h, w), generator=list(generators), device=self.device, dtype=torch.float32)
         return self.pipe._pack_latents(noise, batch, c, h, w)
-
-    def schedule(self, height: int, width: int, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        vsf = self.pipe.vae_scale_factor
-        seq = (int(height) // (vsf * 2)) * (int(width) // (vsf * 2))
-        return flux_sigmas(self.pipe.scheduler, num_steps, seq)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
