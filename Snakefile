@@ -7,9 +7,18 @@
 #
 # A foreach stage (grpo, sample) gives one rule per subtask: grpo_t2is is DVC's grpo@t2is.
 
+import sys
+from pathlib import Path
+
 from workflow.registry import STAGES
 
 configfile: "params.yaml"
+
+# The environment reaches every job: the stage commands say `python` and `accelerate`, resolved
+# from the bin directory of the Python that runs Snakemake (a virtual environment need not be
+# activated in the submitting shell, nor exist in the job's login environment; the path must be
+# visible from the compute nodes, as a shared filesystem gives).
+shell.prefix(f'export PATH="{Path(sys.executable).parent}:$PATH"; ')
 
 MEMBERS = [m for s in STAGES for m in s.members(config)]
 
@@ -43,6 +52,9 @@ for _m in MEMBERS:
             cmd=_m.resolve(_s.cmd, config),
             # rerun trigger: a change of the stage's params sections reruns it, as in DVC
             sections=_m.params_sections(config),
+        # the stage's output, also on the terminal (locally) and in the SLURM job log
+        log:
+            f"logs/{_m.rule_name}.log",
         threads: _res.get("cpus_per_task", 1)
         resources:
             mem_mb=_res.get("mem_mb", 4000),
@@ -50,4 +62,4 @@ for _m in MEMBERS:
             cpus_per_task=_res.get("cpus_per_task", 1),
             **_gpu,
         shell:
-            "{params.cmd}"
+            "{params.cmd} 2>&1 | tee {log}"

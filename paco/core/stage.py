@@ -79,6 +79,19 @@ def broadcast_from_main(accelerator: Any, obj: Any) -> Any:
     return box[0]
 
 
+def launch_info() -> dict[str, Any]:
+    """How this process was launched, for ``report.json``'s ``run``: ``processes`` (the launcher's
+    ``WORLD_SIZE``, 1 without one) and, inside a SLURM job, ``slurm`` with the job id, the node
+    and the CPUs the job was given (``SLURM_JOB_ID``, ``SLURMD_NODENAME``,
+    ``SLURM_CPUS_PER_TASK``; the CPU count is ``None`` when the job did not ask per task)."""
+    info: dict[str, Any] = {"processes": int(os.environ.get("WORLD_SIZE", "1"))}
+    if "SLURM_JOB_ID" in os.environ:
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        info["slurm"] = {"job_id": os.environ["SLURM_JOB_ID"], "node": os.environ.get("SLURMD_NODENAME"),
+                         "cpus_per_task": int(cpus) if cpus else None}
+    return info
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process and its waited-for children, in MiB (Linux)."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -150,7 +163,8 @@ def run(
         if not isinstance(out, StageOutput):
             out = StageOutput(dict(out))
         report = dict(out.report)
-        report["run"] = {"wall_seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": round(peak_rss_mb(), 1)}
+        report["run"] = {"wall_seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": round(peak_rss_mb(), 1),
+                         **launch_info()}
         path = getattr(args, metrics_arg, None)
         if path is not None:
             write_json(path, out.metrics)
@@ -164,5 +178,6 @@ def run(
         where = f" ({exc.filename})" if exc.filename else ""
         log.error("stage %s failed: %s%s", name, exc.strerror or exc, where)
         return 2
-    log.info("stage %s done in %.1f s (peak RSS %.0f MiB)", name, *report["run"].values())
+    log.info("stage %s done in %.1f s (peak RSS %.0f MiB)", name, report["run"]["wall_seconds"],
+             report["run"]["peak_rss_mb"])
     return 0

@@ -1,0 +1,246 @@
+"""The DAG on a real SLURM cluster through both Snakemake profiles (issue 11).
+
+Needs a running cluster: ``workflow/slurm/local-cluster.sh start`` (as root; ``.ci/run`` starts
+one). Without one these tests skip, except where ``PACO_REQUIRE_SLURM=1`` (CI): there a missing
+cluster is a failure. Every job must really go through ``sbatch``: the tests read the jobs back
+from ``sacct`` (accounting is on in the local cluster).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+#: the stages run on the cluster, up to the SFT table (labels runs as 2 accelerate processes)
+TARGETS = ["data/labels/sft.parquet", "data/models/metrics.json"]
+RULES = {"models", "prompts", "edits", "composites", "subfigures", "pairs", "labels"}
+#: byte-compared with `dvc repro`'s
+ARTIFACTS = [
+    "data/prompts/prompts.parquet",
+    "data/edits/edits.parquet",
+    "data/composites/composites.parquet",
+    "data/subfigures/panels.parquet",
+    "data/pairs/rank_instances.parquet",
+    "data/pairs/pairs.parquet",
+    "data/pairs/edit_pairs.parquet",
+    "data/labels/sft.parquet",
+]
+#: a Snakemake run on the cluster is killed after this long (a status-query problem fails, never hangs)
+RUN_TIMEOUT_S = 900
+
+
+def _env(venv_on_path: bool = False) -> dict[str, str]:
+    """The environment of a submitting shell. Without ``venv_on_path`` this interpreter's bin
+    directory is not on PATH (no activated venv): the Snakefile must bring it to every job."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    bindir = str(Path(sys.executable).parent)
+    path = [p for p in env["PATH"].split(os.pathsep) if p != bindir]
+    env["PATH"] = os.pathsep.join([bindir, *path] if venv_on_path else path)
+    return env
+
+
+def _cluster_problem() -> str | None:
+    if not shutil.which("sbatch") or not shutil.which("sacct"):
+        return "no SLURM client commands (sbatch, sacct) on PATH"
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    if ping.returncode != 0 or "UP" not in ping.stdout:
+        return f"no SLURM controller answers: {(ping.stdout + ping.stderr).strip()}"
+    acct = subprocess.run(["sacct", "-n", "-X", "-j", "1"], capture_output=True, text=True, timeout=30)
+    if acct.returncode != 0:
+        return f"sacct fails (accounting off?): {acct.stderr.strip()}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    problem = _cluster_problem()
+    if problem:
+        msg = f"{problem}; start one with `workflow/slurm/local-cluster.sh start` (as root)"
+        if os.environ.get("PACO_REQUIRE_SLURM") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def _clone(tmp: Path, name: str) -> Path:
+    repo = tmp / name
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+    return repo
+
+
+def _run(args: list[str], cwd: Path, timeout: int = RUN_TIMEOUT_S, venv_on_path: bool = False) -> tuple[int, str, float]:
+    """Run ``args`` in its own process group; return (exit code, output, seconds). A timeout
+    kills the whole group (Snakemake may ignore SIGTERM while it waits on jobs) and fails."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(args, cwd=cwd, env=_env(venv_on_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(args)} still running after {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def _snakemake(repo: Path, profile: str, targets: list[str], timeout: int = RUN_TIMEOUT_S) -> tuple[int, str, float]:
+    args = [sys.executable, "-m", "snakemake", *targets, "--profile", f"workflow/profiles/{profile}"]
+    if profile == "slurm":
+        args += ["--slurm-init-seconds-before-status-checks", "1"]
+    return _run(args, repo, timeout)
+
+
+def _job_ids(profile: str, output: str) -> list[str]:
+    """The SLURM job ids Snakemake reports having submitted."""
+    pattern = (r"has been submitted with SLURM jobid (\d+)" if profile == "slurm"
+               else r"Submitted job \d+ with external jobid '(\d+)")
+    return re.findall(pattern, output)
+
+
+def _sacct(job_ids: list[str]) -> list[dict[str, str]]:
+    fields = ["JobID", "JobName", "Comment", "State", "ExitCode", "AllocCPUS", "ReqMem", "Elapsed"]
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", ",".join(fields)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return [dict(zip(fields, line.split("|"))) for line in out.splitlines() if line]
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def _two_processes_for_labels(repo: Path) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    stages = params["resources"].setdefault("stages", {})
+    stages["labels"] = {**params["resources"]["default"], **stages.get("labels", {}), "processes": 2}
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def dvc_reference(tmp_path_factory) -> Path:
+    """The same stages under ``dvc repro`` (one process each), outside SLURM."""
+    repo = _clone(tmp_path_factory.mktemp("slurm-ref"), "repo")
+    code, out, _ = _run([sys.executable, "-m", "dvc", "repro", "labels", "models"], repo, venv_on_path=True)
+    assert code == 0, out[-6000:]
+    return repo
+
+
+@pytest.mark.parametrize("profile", ["slurm", "sbatch"])
+def test_profile_runs_every_job_through_sbatch_with_dvc_identical_outputs(cluster, dvc_reference, tmp_path,
+                                                                          profile, record_property):
+    repo = _clone(tmp_path, profile)
+    _two_processes_for_labels(repo)
+    code, out, seconds = _snakemake(repo, profile, TARGETS)
+    assert code == 0, out[-6000:]
+
+    jobs = _sacct(_job_ids(profile, out))
+    record_property("sacct", json.dumps(jobs))
+    print(f"{profile}: {seconds:.0f} s\n" + "\n".join("|".join(j.values()) for j in jobs))
+    # one SLURM job per rule, every one completed
+    if profile == "slurm":
+        rules = [j["Comment"].removeprefix("rule_") for j in jobs]
+    else:
+        rules = [j["JobName"].removeprefix("paco-") for j in jobs]
+    assert sorted(rules) == sorted(RULES), jobs
+    assert all(j["State"] == "COMPLETED" and j["ExitCode"] == "0:0" for j in jobs), jobs
+    # each job got the CPUs its stage asked for (params.yaml resources: cpus_per_task 2)
+    assert all(j["AllocCPUS"] == "2" for j in jobs), jobs
+
+    # labels ran as 2 accelerate processes inside its one SLURM job
+    labels_job = next(j for j, r in zip(jobs, rules) if r == "labels")
+    run = json.loads((repo / "data/labels/report.json").read_text())["run"]
+    assert run["processes"] == 2, run
+    assert run["slurm"] == {"job_id": labels_job["JobID"], "node": run["slurm"]["node"], "cpus_per_task": 2}, run
+
+    # job logs are kept (the slurm plugin deletes successful jobs' logs unless told otherwise)
+    for rule in RULES:
+        assert (repo / f"logs/{rule}.log").stat().st_size > 0, rule
+    assert len(list((repo / "logs/slurm").rglob("*"))) >= len(RULES)
+
+    for artifact in ARTIFACTS:
+        assert _md5(repo / artifact) == _md5(dvc_reference / artifact), artifact
+    for f in sorted((dvc_reference / "data/models").rglob("*.safetensors")):
+        assert _md5(repo / f.relative_to(dvc_reference)) == _md5(f), f
+
+
+def _break_prompts(repo: Path) -> None:
+    with (repo / "data/raw/t2is_prompts.jsonl").open("a") as f:
+        f.write('{"prompt": "a broken row\n')
+
+
+def test_a_failing_job_fails_both_profiles_promptly_with_its_log(cluster, tmp_path):
+    """A stage that fails inside its SLURM job (a malformed prompts row) ends Snakemake with a
+    non-zero exit, naming the rule's log, which holds the stage's error. Both profiles run at once."""
+    procs = {}
+    for profile in ("slurm", "sbatch"):
+        repo = _clone(tmp_path, profile)
+        _break_prompts(repo)
+        args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
+                f"workflow/profiles/{profile}"]
+        procs[profile] = (repo, time.monotonic(), subprocess.Popen(
+            args, cwd=repo, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True))
+    for profile, (repo, t0, proc) in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"{profile}: a failed job left Snakemake waiting for 300 s")
+        seconds = time.monotonic() - t0
+        print(f"{profile}: failed after {seconds:.0f} s")
+        assert proc.returncode != 0, out[-4000:]
+        assert "Error in rule prompts" in out and "logs/prompts.log" in out, out[-4000:]
+        log = (repo / "logs/prompts.log").read_text()
+        assert "stage prompts failed" in log and "t2is_prompts.jsonl" in log, log
+        job = _job_ids(profile, out)
+        assert len(job) == 1 and _sacct(job)[0]["State"] == "FAILED", out[-4000:]
+
+
+@pytest.mark.parametrize("profile", ["slurm", "sbatch"])
+def test_a_job_slurm_cancels_fails_the_run(cluster, tmp_path, profile):
+    """A job SLURM ends (here ``scancel`` while it waits behind a job holding the node's CPUs; a
+    time limit, memory kill or preemption looks the same to Snakemake) fails the run instead of
+    leaving Snakemake waiting."""
+    blocker = subprocess.run(["sbatch", "--parsable", "--job-name=paco-test-blocker", "--cpus-per-task=2",
+                              "--mem=100", "--wrap=sleep 600", f"--output={tmp_path}/blocker.out"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    try:
+        repo = _clone(tmp_path, profile)
+        args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
+                f"workflow/profiles/{profile}"]
+        proc = subprocess.Popen(args, cwd=repo, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            # the stage's job is submitted and pends behind the blocker
+            deadline = time.monotonic() + 120
+            pending = ""
+            while not pending and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(1)
+                queue = subprocess.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %j %k"], capture_output=True,
+                                       text=True, timeout=30).stdout.split("\n")
+                pending = next((line.split()[0] for line in queue if line.strip()), "")
+            assert pending, "the stage's job never showed up pending"
+            subprocess.run(["scancel", pending], check=True, timeout=30)
+            t0 = time.monotonic()
+            out, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"{profile}: a cancelled job left Snakemake waiting for 300 s")
+        print(f"{profile}: exited {time.monotonic() - t0:.0f} s after scancel")
+        assert proc.returncode != 0, out[-4000:]
+        assert "Error in rule prompts" in out, out[-4000:]
+        assert _sacct([pending])[0]["State"].startswith("CANCELLED")
+    finally:
+        subprocess.run(["scancel", blocker], timeout=30)
