@@ -180,46 +180,77 @@ def _break_prompts(repo: Path) -> None:
         f.write('{"prompt": "a broken row\n')
 
 
-def test_a_failing_job_fails_both_profiles_promptly_with_its_log(cluster, tmp_path):
-    """A stage that fails inside its SLURM job (a malformed prompts row) ends Snakemake with a
-    non-zero exit, naming the rule's log, which holds the stage's error. Both profiles run at once."""
+def _starve_prompts_of_memory(repo: Path) -> None:
+    """``resources.stages.prompts.mem_mb: 60``: the job exceeds it and SLURM kills it
+    (OverMemoryKill in the local cluster; cgroups on a real one)."""
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    stages = params["resources"].setdefault("stages", {})
+    stages["prompts"] = {**params["resources"]["default"], "mem_mb": 60}
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def _fail_in_both_profiles(tmp_path: Path, breaks) -> dict[str, tuple[Path, str]]:
+    """Run the prompts rule through both profiles at once in clones broken by ``breaks``;
+    each must exit non-zero within 300 s. Returns profile -> (clone, output)."""
     procs = {}
     for profile in ("slurm", "sbatch"):
         repo = _clone(tmp_path, profile)
-        _break_prompts(repo)
+        breaks(repo)
         args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
                 f"workflow/profiles/{profile}"]
         procs[profile] = (repo, time.monotonic(), subprocess.Popen(
             args, cwd=repo, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True))
+    results = {}
     for profile, (repo, t0, proc) in procs.items():
         try:
             out, _ = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"{profile}: a failed job left Snakemake waiting for 300 s")
-        seconds = time.monotonic() - t0
-        print(f"{profile}: failed after {seconds:.0f} s")
+        print(f"{profile}: failed after {time.monotonic() - t0:.0f} s")
         assert proc.returncode != 0, out[-4000:]
-        assert "Error in rule prompts" in out and "logs/prompts.log" in out, out[-4000:]
+        assert "Error in rule prompts" in out, out[-4000:]
+        results[profile] = (repo, out)
+    return results
+
+
+def test_a_failing_stage_fails_both_profiles_promptly_with_its_log(cluster, tmp_path):
+    """A stage that fails inside its SLURM job (a malformed prompts row) ends Snakemake with a
+    non-zero exit, naming the rule's log, which holds the stage's error."""
+    for profile, (repo, out) in _fail_in_both_profiles(tmp_path, _break_prompts).items():
+        assert "logs/prompts.log" in out, out[-4000:]
         log = (repo / "logs/prompts.log").read_text()
         assert "stage prompts failed" in log and "t2is_prompts.jsonl" in log, log
         job = _job_ids(profile, out)
         assert len(job) == 1 and _sacct(job)[0]["State"] == "FAILED", out[-4000:]
 
 
-@pytest.mark.parametrize("profile", ["slurm", "sbatch"])
-def test_a_job_slurm_cancels_fails_the_run(cluster, tmp_path, profile):
-    """A job SLURM ends (here ``scancel`` while it waits behind a job holding the node's CPUs; a
-    time limit, memory kill or preemption looks the same to Snakemake) fails the run instead of
-    leaving Snakemake waiting."""
+def test_a_job_slurm_kills_for_memory_fails_both_profiles_with_the_job_log(cluster, tmp_path):
+    """A job SLURM kills (over its memory; a time limit or node failure looks the same to
+    Snakemake) fails the run promptly, and Snakemake's output leads to the job's SLURM log."""
+    for profile, (repo, out) in _fail_in_both_profiles(tmp_path, _starve_prompts_of_memory).items():
+        job = _job_ids(profile, out)
+        assert len(job) == 1, out[-4000:]
+        row = _sacct(job)[0]
+        assert row["State"] in ("FAILED", "OUT_OF_MEMORY") and row["ReqMem"] == "60M", row
+        # the job's own log: named by the slurm plugin's error, by status.sh for cluster-generic
+        logs = re.findall(r"(/\S+/logs/slurm/\S+?\.(?:log|out))", out)
+        assert logs, out[-4000:]
+        assert "exceeded memory limit" in Path(logs[-1]).read_text().lower(), logs
+
+
+def test_a_job_cancelled_by_scancel_fails_the_sbatch_profile(cluster, tmp_path):
+    """``scancel`` while the stage's job waits behind a job holding the node's CPUs: sacct says
+    "CANCELLED by <uid>", which workflow/slurm/status.sh reports failed. (The slurm executor
+    plugin 2.8 compares the state string whole and keeps waiting on it: the profile's notes.)"""
     blocker = subprocess.run(["sbatch", "--parsable", "--job-name=paco-test-blocker", "--cpus-per-task=2",
                               "--mem=100", "--wrap=sleep 600", f"--output={tmp_path}/blocker.out"],
                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     try:
-        repo = _clone(tmp_path, profile)
+        repo = _clone(tmp_path, "sbatch")
         args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
-                f"workflow/profiles/{profile}"]
+                "workflow/profiles/sbatch"]
         proc = subprocess.Popen(args, cwd=repo, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
@@ -228,19 +259,19 @@ def test_a_job_slurm_cancels_fails_the_run(cluster, tmp_path, profile):
             pending = ""
             while not pending and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(1)
-                queue = subprocess.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %j %k"], capture_output=True,
-                                       text=True, timeout=30).stdout.split("\n")
-                pending = next((line.split()[0] for line in queue if line.strip()), "")
+                queue = subprocess.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %j"], capture_output=True,
+                                       text=True, timeout=30).stdout.splitlines()
+                pending = next((line.split()[0] for line in queue if "paco-prompts" in line), "")
             assert pending, "the stage's job never showed up pending"
             subprocess.run(["scancel", pending], check=True, timeout=30)
             t0 = time.monotonic()
             out, _ = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"{profile}: a cancelled job left Snakemake waiting for 300 s")
-        print(f"{profile}: exited {time.monotonic() - t0:.0f} s after scancel")
+            pytest.fail("a cancelled job left Snakemake waiting for 300 s")
+        print(f"sbatch: exited {time.monotonic() - t0:.0f} s after scancel")
         assert proc.returncode != 0, out[-4000:]
-        assert "Error in rule prompts" in out, out[-4000:]
-        assert _sacct([pending])[0]["State"].startswith("CANCELLED")
+        assert "Error in rule prompts" in out and f"SLURM job {pending} ended CANCELLED" in out, out[-4000:]
+        assert _sacct([pending])[0]["State"].startswith("CANCELLED by")
     finally:
         subprocess.run(["scancel", blocker], timeout=30)

@@ -72,3 +72,17 @@ def test_submit_creates_the_log_directory_and_asks_for_gpus_only_when_needed(tmp
     assert (tmp_path / "args").read_text().split() == ["--parsable", "--gpus=2", "job.sh"]
     bad = subprocess.run(["bash", str(SUBMIT), "x", "job.sh"], cwd=work, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "non-negative integer" in bad.stderr
+
+
+def test_a_failed_job_reports_its_state_exit_code_and_log(tmp_path):
+    """The cluster-generic executor names only the rule's log: status.sh puts the SLURM state,
+    exit code and the job's own log on Snakemake's terminal (stderr)."""
+    env = _bin(tmp_path, sacct='[ "$2" = 42 ] && echo "FAILED|1:0"',
+               scontrol='echo "JobId=42 JobState=FAILED StdOut=/w/logs/slurm/pairs-42.out ExitCode=1:0"')
+    proc = _status(env)
+    assert proc.stdout.strip() == "failed"
+    assert "job 42 ended FAILED (exit code 1:0); job log: /w/logs/slurm/pairs-42.out" in proc.stderr
+    # a job that succeeded says nothing
+    env = _bin(tmp_path, sacct='echo "COMPLETED|0:0"', scontrol="exit 1")
+    proc = _status(env)
+    assert proc.stdout.strip() == "success" and proc.stderr == ""

@@ -94,7 +94,8 @@ MpiDefault=none
 ReturnToService=2
 MinJobAge=300
 JobAcctGatherType=jobacct_gather/linux
-JobAcctGatherFrequency=30
+JobAcctGatherFrequency=2
+JobAcctGatherParams=OverMemoryKill
 EOF
   if [ "$ACCOUNTING" = 1 ]; then
     cat >>"$DIR/slurm.conf" <<EOF

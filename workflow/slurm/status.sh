@@ -20,17 +20,32 @@ classify() {  # a SLURM job state -> running | success | failed
 }
 
 state=""
+exitcode=""
 if command -v sacct >/dev/null 2>&1; then
-  # the allocation's own line (-X); "CANCELLED by 123" -> CANCELLED
-  state="$(sacct -j "$jobid" -X -n -P -o State 2>/dev/null | head -n 1 | awk '{print $1}')"
+  # the allocation's own line (-X): "CANCELLED by 123|0:0" -> CANCELLED, 0:0
+  line="$(sacct -j "$jobid" -X -n -P -o State,ExitCode 2>/dev/null | head -n 1)"
+  state="$(awk -F'|' '{print $1}' <<<"$line" | awk '{print $1}')"
+  case "$line" in *"|"*) exitcode="${line#*|}" ;; esac
 fi
-if [ -z "$state" ] && command -v scontrol >/dev/null 2>&1; then
-  state="$(scontrol show job "$jobid" 2>/dev/null | tr ' ' '\n' | sed -n 's/^JobState=//p' | head -n 1)"
+record=""
+if command -v scontrol >/dev/null 2>&1; then
+  record="$(scontrol show job "$jobid" 2>/dev/null | tr ' ' '\n')"
+fi
+if [ -z "$state" ]; then
+  state="$(sed -n 's/^JobState=//p' <<<"$record" | head -n 1)"
 fi
 if [ -z "$state" ] && command -v squeue >/dev/null 2>&1; then
   state="$(squeue -h -j "$jobid" -o %T 2>/dev/null | head -n 1)"
 fi
-if ! classify "$state"; then
+if ! verdict="$(classify "$state")"; then
   echo "status.sh: no SLURM record of job $jobid (sacct, scontrol and squeue know nothing): reported failed" >&2
   echo failed
+  exit 0
 fi
+if [ "$verdict" = failed ]; then
+  # the reason and the job's own log on Snakemake's terminal (its error names only the rule's log)
+  [ -n "$exitcode" ] || exitcode="$(sed -n 's/^ExitCode=//p' <<<"$record" | head -n 1)"
+  stdout="$(sed -n 's/^StdOut=//p' <<<"$record" | head -n 1)"
+  echo "status.sh: SLURM job $jobid ended $state (exit code ${exitcode:-unknown}); job log: ${stdout:-see sbatch --output}" >&2
+fi
+echo "$verdict"
