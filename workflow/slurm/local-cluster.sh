@@ -56,12 +56,14 @@ pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 cmd_install() {
   need_root
   # Debian's policy-rc.d (containers) keeps the packages from starting their services
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${PACKAGES[@]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends "${PACKAGES[@]}" \
+    || { apt-get update -q && apt-get install -y -q --no-install-recommends "${PACKAGES[@]}"; }
 }
 
 write_configs() {
   local node host
-  host="$(hostname -s)"
+  host="$(hostname -s)"  # the daemons talk over 127.0.0.1: the host name need not resolve
   # "NodeName=vm CPUs=2 Boards=1 ... RealMemory=24105" (the UpTime line dropped); leave 10% of
   # the memory to the system so slurmd's own check never drains the node
   node="$(slurmd -C | head -n 1)"
@@ -72,7 +74,7 @@ write_configs() {
   cat >"$DIR/slurm.conf" <<EOF
 # written by workflow/slurm/local-cluster.sh
 ClusterName=paco
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 SlurmUser=root
@@ -124,7 +126,7 @@ EOF
     echo "AccountingStorageType=accounting_storage/none" >>"$DIR/slurm.conf"
   fi
   cat >>"$DIR/slurm.conf" <<EOF
-$node State=UNKNOWN
+$node NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
