@@ -31,6 +31,23 @@ def test_metrics_and_report_are_written_apart(tmp_path, params):
     assert report["detail"] == [1, 2] and report["run"]["peak_rss_mb"] > 0  # timings only in the report
 
 
+def test_the_report_says_how_the_stage_was_launched(tmp_path, params, monkeypatch):
+    for var in ("WORLD_SIZE", "SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(var, raising=False)
+    assert _run(tmp_path, lambda a, p: {"n": 1}) == 0
+    run_info = json.loads((tmp_path / "out" / "report.json").read_text())["run"]
+    assert run_info["processes"] == 1 and "slurm" not in run_info
+    # an accelerate worker inside a SLURM job
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("SLURM_JOB_ID", "417")
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu07")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
+    assert _run(tmp_path, lambda a, p: {"n": 1}) == 0
+    run_info = json.loads((tmp_path / "out" / "report.json").read_text())["run"]
+    assert run_info["processes"] == 2
+    assert run_info["slurm"] == {"job_id": "417", "node": "gpu07", "cpus_per_task": 8}
+
+
 @pytest.mark.parametrize("exc,expected", [
     (OSError(errno.ENOSPC, "No space left on device", "/data/x.parquet"), "No space left on device (/data/x.parquet)"),
     (ArtifactError("prompts.parquet: no column split"), "no column split"),
