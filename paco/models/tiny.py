@@ -94,8 +94,16 @@ def _build_qwen2_5_vl(out_dir: Path, seed: int) -> None:
     processor.save_pretrained(out_dir)
 
 
-def _qwen2_5_vl(seed: int) -> tuple[object, object]:
-    """The tiny Qwen2.5-VL (model, image-only processor) drawn from ``seed``."""
+def _qwen2_5_vl(seed: int, *, text: dict | None = None, vision: dict | None = None,
+                pixels: tuple[int, int] | None = None,
+                lm_head_scale: float = LM_HEAD_INIT_SCALE) -> tuple[object, object]:
+    """The tiny Qwen2.5-VL (model, image-only processor) drawn from ``seed``.
+
+    ``text`` / ``vision``: keys overriding the tiny ``text_config`` / ``vision_config`` (e.g. a
+    real-width build, :mod:`paco.models.smoke`; ``out_hidden_size`` follows ``hidden_size``);
+    ``pixels``: the image processor's ``(min_pixels, max_pixels)``; ``lm_head_scale``: the factor on
+    the random output head (below). Without them the tiny judge's bytes are unchanged.
+    """
     from transformers import (
         GenerationConfig,
         Qwen2_5_VLConfig,
@@ -110,48 +118,55 @@ def _qwen2_5_vl(seed: int) -> tuple[object, object]:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in
            ("<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
             "<|vision_end|>")}
-    hidden, heads = 128, 4
-    head_dim = hidden // heads  # 32 -> 16 rotary frequencies split t/h/w as 4/6/6
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "mrope_section": [4, 6, 6]},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=2,
+    )
+    text_config.update(text or {})
+    hidden = text_config["hidden_size"]
+    head_dim = hidden // text_config["num_attention_heads"]  # tiny: 32 -> 16 rotary frequencies split t/h/w 4/6/6
+    vision_config = dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        in_channels=3,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[1],
+        out_hidden_size=hidden,
+        tokens_per_second=2,
+    )
+    vision_config.update(vision or {})
+    vision_config["out_hidden_size"] = hidden
     config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                             "mrope_section": [4, 6, 6]},
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-            use_sliding_window=False,
-            sliding_window=None,
-            max_window_layers=2,
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=2,
-            in_channels=3,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            fullatt_block_indexes=[1],
-            out_hidden_size=hidden,
-            tokens_per_second=2,
-        ),
+        text_config=text_config,
+        vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    assert sum(config.text_config.rope_parameters["mrope_section"]) * 2 == head_dim
+    if sum(config.text_config.rope_parameters["mrope_section"]) * 2 != head_dim:
+        raise ValueError(f"mrope_section {config.text_config.rope_parameters['mrope_section']} must sum to "
+                         f"head_dim / 2 = {head_dim // 2}")
     with _seeded(seed):
         model = Qwen2_5_VLForConditionalGeneration(config)
         # A random lm_head with the default std (0.02) after RMSNorm caps every logit near
@@ -159,16 +174,17 @@ def _qwen2_5_vl(seed: int) -> tuple[object, object]:
         # saturates; a pretrained head has far larger rows. Scale it so the tiny judge can
         # express a confident Yes/No (deterministic: a pure function of the seeded init).
         with torch.no_grad():
-            model.lm_head.weight.mul_(LM_HEAD_INIT_SCALE)
+            model.lm_head.weight.mul_(lm_head_scale)
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         pad_token_id=ids["<|endoftext|>"],
         do_sample=False,
     )
+    min_pixels, max_pixels = pixels or (JUDGE_MIN_PIXELS, JUDGE_MAX_PIXELS)
     image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=JUDGE_MIN_PIXELS,
-        max_pixels=JUDGE_MAX_PIXELS,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
         patch_size=14,
         temporal_patch_size=2,
         merge_size=2,
@@ -238,7 +254,13 @@ FLUX_SCHEDULER_CONFIG = dict(
 )
 
 
-def _build_flux(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") -> None:
+def _build_flux(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline", *, clip: dict | None = None,
+                t5: dict | None = None, transformer: dict | None = None, vae: dict | None = None) -> None:
+    """The FLUX.1 pipeline tree drawn from ``seed``. ``clip``, ``t5``, ``transformer``, ``vae``:
+    keys overriding the tiny ``CLIPTextConfig``, ``T5Config``, ``FluxTransformer2DModel`` and
+    ``AutoencoderKL`` arguments (a real-width build, :mod:`paco.models.smoke`); the transformer's
+    ``joint_attention_dim`` / ``pooled_projection_dim`` follow the T5 ``d_model`` / CLIP
+    ``hidden_size``. Without them the tiny pipeline's bytes are unchanged."""
     import diffusers
     from diffusers import (
         AutoencoderKL,
@@ -251,69 +273,76 @@ def _build_flux(out_dir: Path, seed: int, pipeline_class: str = "FluxPipeline") 
 
     tokenizer = train_clip_tokenizer()
     tokenizer_2 = train_t5_tokenizer()
-    clip_hidden, t5_hidden = 32, 32
+    clip_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        projection_dim=32,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    clip_config.update(clip or {})
+    t5_config = dict(
+        vocab_size=len(tokenizer_2),
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=tokenizer_2.pad_token_id,
+        eos_token_id=tokenizer_2.eos_token_id,
+        decoder_start_token_id=tokenizer_2.pad_token_id,
+    )
+    t5_config.update(t5 or {})
+    transformer_config = dict(
+        patch_size=1,
+        in_channels=64,  # 16 latent channels x 2x2 packing
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=t5_config["d_model"],
+        pooled_projection_dim=clip_config["hidden_size"],
+        guidance_embeds=True,  # FLUX.1-dev is guidance-distilled
+        axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+    )
+    transformer_config.update(transformer or {})
+    vae_config = dict(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),  # 4 levels -> vae_scale_factor 8 as in FLUX
+        layers_per_block=1,
+        latent_channels=16,
+        # One GroupNorm group: with a group per channel (InstanceNorm on the 8-channel last
+        # level) every decoded image has the same per-channel mean, so no policy can change
+        # the global colour a reward sees; one group keeps only the overall normalisation.
+        norm_num_groups=1,
+        sample_size=128,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=True,
+    )
+    vae_config.update(vae or {})
     with _seeded(seed):
         # One seed for the whole pipeline: components are drawn in a fixed order.
-        text_encoder = CLIPTextModel(CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=clip_hidden,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=77,
-            projection_dim=clip_hidden,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        ))
-        text_encoder_2 = T5EncoderModel(T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=t5_hidden,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=32,
-            feed_forward_proj="gated-gelu",
-            dropout_rate=0.0,
-            is_encoder_decoder=False,
-            use_cache=False,
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-            decoder_start_token_id=tokenizer_2.pad_token_id,
-        ))
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=64,  # 16 latent channels x 2x2 packing
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=t5_hidden,
-            pooled_projection_dim=clip_hidden,
-            guidance_embeds=True,  # FLUX.1-dev is guidance-distilled
-            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
-        )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 16, 16),  # 4 levels -> vae_scale_factor 8 as in FLUX
-            layers_per_block=1,
-            latent_channels=16,
-            # One GroupNorm group: with a group per channel (InstanceNorm on the 8-channel last
-            # level) every decoded image has the same per-channel mean, so no policy can change
-            # the global colour a reward sees; one group keeps only the overall normalisation.
-            norm_num_groups=1,
-            sample_size=128,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            mid_block_add_attention=True,
-        )
+        text_encoder = CLIPTextModel(CLIPTextConfig(**clip_config))
+        text_encoder_2 = T5EncoderModel(T5Config(**t5_config))
+        transformer = FluxTransformer2DModel(**transformer_config)
+        vae = AutoencoderKL(**vae_config)
     scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG)
     pipe = getattr(diffusers, pipeline_class)(
         scheduler=scheduler,

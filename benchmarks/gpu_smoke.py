@@ -1,0 +1,566 @@
+"""GPU smoke run: every paper-scale path once, at the real model widths, in bf16 on CUDA.
+
+    python benchmarks/gpu_smoke.py [--workdir DIR] [--out smoke.json]            # real widths, CUDA, bf16
+    python benchmarks/gpu_smoke.py --device cpu --dtype float32 --width-scale 0.04 --out smoke.json
+
+Builds the real-width random-init models offline (:func:`paco.models.smoke.build_smoke_models`:
+FLUX.1 transformer 3072 wide with 2 double + 2 single blocks, FLUX.1's VAE, CLIP / T5 text
+encoders at 768 / 4096, the judge at Qwen2.5-VL-7B's text width with 2 layers), then runs the
+project's own stage code with the paper preset (``workflow/presets/paper.yaml``) scaled to a few
+prompts, timing each stage and resetting ``torch.cuda.max_memory_allocated`` before it:
+
+=========  ===================================================================================
+stage      what runs
+=========  ===================================================================================
+build      :func:`paco.models.smoke.build_smoke_models` (CPU, float32 files)
+sft        one optimizer step of :func:`paco.judge.training.train_reward` (``reward_train`` of
+           the preset: LoRA r 32 / alpha 64 on every projection, batch 8 x 4 accumulation, bf16
+           autocast; ``epochs 1``, ``warmup_ratio 0`` so the one step has a learning rate),
+           its end-of-epoch evaluation and checkpoint, on 32 + 8 synthetic pairs
+merge      ``python -m stages.reward_merge`` (in process: ``stages.reward_merge.main``) on a
+           params file written beside the models; it checks unmerged = merged = reloaded
+serve      ``vllm serve`` of the merged judge (``LocalJudgeServer(engine="vllm")``, when ``vllm``
+           imports and the device is CUDA) in float32 and in the run's dtype, then the project's
+           server ``paco.judge.serve`` (the preset's ``judge_endpoint.server`` settings, kept up
+           for GRPO and final sampling), each scored with :class:`paco.judge.client.JudgeClient`
+           and compared with the in-process :class:`paco.judge.model.Judge` in the same dtype
+grpo       one epoch of :func:`paco.grpo.trainer.train_grpo` (``grpo.t2is`` of the preset:
+           10 steps, SDE step 1, noise 0.7, LoRA r 64 / alpha 128, rewards consistency (the
+           served judge) + clip_t + pickscore, log-tame aggregation, 2 gradient steps,
+           evaluation at 1024 px; ``prompts_per_epoch`` / ``group_size`` from the command line,
+           ``ema.update_every 1`` so the saved LoRA holds the epoch's update), checkpoint and LoRA
+final      :func:`paco.grpo.final_samples.final_samples` (``final_samples.t2is``: ODE, 20 steps,
+           1024 px) with and without the GRPO LoRA, scored by the served judge
+=========  ===================================================================================
+
+Prints a table (stage, seconds, peak GiB allocated by this process, device GiB in use at the
+stage's end -- which includes a judge server's process --, throughput) and writes everything
+to ``--out`` (JSON). Figures only: the checks are ``tests/test_gpu.py`` (``-m gpu``) and, for
+the CPU path, ``tests/test_gpu.py::test_the_smoke_script_runs_on_cpu``.
+
+``--device cpu --dtype float32 --width-scale S`` runs the same code at widths times ``S``
+(head counts and feed-forward widths scaled, depths unchanged) with the CPU sizes below, so the
+path can be checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+#: sizes of the run per device: rollout / evaluation / final px, rollout and evaluation / final
+#: steps, text tokens, judge panel px, prompts per epoch, group size, final seeds per prompt, pairs
+#: scored by the servers, and (CPU only) the judge step's batch and accumulation (None: the
+#: preset's 8 x 4)
+SIZES = {
+    "cuda": dict(train_resolution=512, eval_resolution=1024, final_resolution=1024, rollout_steps=10,
+                 sample_steps=20, max_sequence_length=512, panel_px=512, prompts_per_epoch=2, group_size=16,
+                 seeds_per_prompt=2, pairs=64, sft_batch_size=None, sft_accumulation=None),
+    "cpu": dict(train_resolution=64, eval_resolution=64, final_resolution=64, rollout_steps=3, sample_steps=2,
+                max_sequence_length=32, panel_px=64, prompts_per_epoch=2, group_size=2, seeds_per_prompt=1,
+                pairs=4, sft_batch_size=2, sft_accumulation=2),
+}
+
+#: |P(Yes)| tolerance between the judge server and the in-process judge: the same kernels and
+#: one request per forward pass on both sides (``batching auto`` off CPU = single, and
+#: ``Judge(batch_size=1)``), so only nondeterministic reductions differ
+SERVER_TOLERANCE = 1e-3
+
+
+#: |P(Yes)| tolerance of ``vllm serve`` against the transformers path in the same dtype: float32
+#: ``tests/test_vllm.py``'s 2e-3; bfloat16 a sanity bound (not yet measured on a GPU: bf16 against
+#: float32 differs by up to 2.6e-2 on the real-width smoke judge on CPU, and two bf16 paths with
+#: different kernels are expected to differ less) that still catches a wrong template, processor
+#: or answer token (differences of 0.1 and more)
+VLLM_TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2}
+
+
+def vllm_tolerance(dtype: str) -> float:
+    """:data:`VLLM_TOLERANCE` of ``dtype``."""
+    return VLLM_TOLERANCE[dtype]
+
+
+# --------------------------------------------------------------------------------------------
+# inputs: synthetic pairs and prompts
+# --------------------------------------------------------------------------------------------
+
+
+def _texture(rng: np.random.Generator, size: int) -> np.ndarray:
+    from PIL import Image
+
+    noise = rng.normal(0.0, 1.0, (max(2, size // 8), max(2, size // 8), 3))
+    tint = rng.uniform(0.2, 0.9, 3)
+    img = Image.fromarray(np.uint8(np.clip(128 + 60 * noise, 0, 255))).resize((2 * size, 2 * size), Image.BILINEAR)
+    x = np.asarray(img, np.float32) / 255.0
+    return np.uint8(np.clip((0.5 * x + 0.5 * tint) * 255, 0, 255))
+
+
+def _view(rng: np.random.Generator, arr: np.ndarray, size: int):
+    from PIL import Image
+
+    s = int(rng.uniform(0.7, 0.95) * arr.shape[0])
+    y0, x0 = rng.integers(0, arr.shape[0] - s + 1, size=2)
+    return Image.fromarray(arr[y0:y0 + s, x0:x0 + s]).resize((size, size), Image.BILINEAR)
+
+
+def pair_images(n: int, size: int, seed: int = 0) -> list[tuple[Any, Any, bool]]:
+    """``n`` panel pairs ``(A, B, label)`` of ``size`` px: even ``i`` two crops of one random
+    texture (a consistent pair, label True), odd ``i`` crops of two textures (False)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        a = _texture(rng, size)
+        b = a if i % 2 == 0 else _texture(rng, size)
+        out.append((_view(rng, a, size), _view(rng, b, size), i % 2 == 0))
+    return out
+
+
+def sft_table(n_train: int, n_test: int, size: int, seed: int = 0):
+    """An ``sft.parquet``-shaped table (the labels stage's columns) of synthetic pairs with the
+    T2IS theme instruction (the preset's ``labels.instruction: theme``)."""
+    import pandas as pd
+
+    from paco.core.io import encode_image
+    from paco.judge.templates import format_response, judge_instruction
+
+    rows = []
+    for k, (a, b, label) in enumerate(pair_images(n_train + n_test, size, seed)):
+        split = "train" if k < n_train else "test"
+        reasons = ["the textures and colours match."] if label else ["the colour palettes differ."]
+        rows.append({"pair_id": f"{split}-{k:04d}", "instance_id": f"inst-{k // 2}", "prompt_id": f"p{k % 4}",
+                     "split": split, "instruction": judge_instruction("a textured wall"),
+                     "image_a": encode_image(a), "image_b": encode_image(b), "label": label, "reasons": reasons,
+                     "response": format_response(label, reasons), "teacher": "synthetic", "status": "ok",
+                     "error": None})
+    return pd.DataFrame(rows)
+
+
+def prompts_table(n_train: int, n_test: int):
+    """A ``prompts.parquet``-shaped table: 2x2 T2IS grids of 1024 x 1024 px."""
+    import pandas as pd
+
+    subjects = ["a red fox", "a lighthouse", "a paper boat", "a snowy cabin", "a teapot", "a bicycle"]
+    rows = []
+    for i in range(n_train + n_test):
+        s = subjects[i % len(subjects)]
+        panels = [f"{s} at dawn.", f"{s} at noon.", f"{s} at dusk.", f"{s} at night."]
+        rows.append({"prompt_id": f"p{i:02d}", "split": "train" if i < n_train else "test",
+                     "prompt": f"FOUR-PANEL Images with a 2x2 grid layout of {s} through one day. "
+                               f"[TOP]-[LEFT]:{panels[0]} [TOP]-[RIGHT]:{panels[1]} "
+                               f"[BOTTOM]-[LEFT]:{panels[2]} [BOTTOM]-[RIGHT]:{panels[3]}",
+                     "global_prompt": f"{s} through one day", "rows": 2, "cols": 2, "panel_prompts": panels,
+                     "height": 1024, "width": 1024, "category": "smoke", "criteria": []})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# params: the paper preset scaled to a smoke run
+# --------------------------------------------------------------------------------------------
+
+
+def smoke_params(device: str, dtype: str, sizes: dict[str, int], top_logprobs: int) -> dict[str, Any]:
+    """The paper preset's raw params with the smoke run's changes (every other key as in the
+    paper): one judge step, one GRPO epoch on a few prompts, a local judge server asked for every
+    first token (``top_logprobs``: a random judge need not rank Yes / No in its top 20)."""
+    from paco.core.params import read_params_yaml
+
+    raw = read_params_yaml(ROOT / "workflow/presets/paper.yaml")
+    raw["reward_train"].update(epochs=1, warmup_ratio=0.0, checkpoint_every=1, dtype=dtype)
+    if sizes.get("sft_batch_size"):  # CPU path only: the preset's 8 x 4 pairs per step otherwise
+        raw["reward_train"].update(batch_size=sizes["sft_batch_size"],
+                                   gradient_accumulation_steps=sizes["sft_accumulation"])
+    raw["reward_merge"].update(dtype=dtype)
+    raw["judge_endpoint"].update(url=None, top_logprobs=top_logprobs, concurrency=16)
+    raw["judge_endpoint"]["server"].update(device=device, dtype=dtype, max_logprobs=top_logprobs)
+    g = raw["grpo"]["t2is"]
+    g.update(epochs=1, prompts_per_epoch=sizes["prompts_per_epoch"], group_size=sizes["group_size"], save_every=1,
+             dtype=dtype)
+    g["rollout"].update(num_steps=sizes["rollout_steps"], max_sequence_length=sizes["max_sequence_length"])
+    g["train"].update(resolution=sizes["train_resolution"])
+    g["train"]["ema"].update(update_every=1)  # 2 optimizer steps never reach the preset's every-8th update
+    g["eval"].update(resolution=sizes["eval_resolution"], num_steps=sizes["sample_steps"], max_prompts=1)
+    f = raw["final_samples"]["t2is"]
+    f.update(resolution=sizes["final_resolution"], num_steps=sizes["sample_steps"],
+             seeds_per_prompt=sizes["seeds_per_prompt"], max_sequence_length=sizes["max_sequence_length"], dtype=dtype)
+    return raw
+
+
+# --------------------------------------------------------------------------------------------
+# timing and memory
+# --------------------------------------------------------------------------------------------
+
+
+class Stages:
+    """Per-stage wall seconds and CUDA memory (``max_memory_allocated`` reset at the start,
+    in GiB; ``device_used_gib``: total minus free device memory at the end, every process)."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.rows: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        row: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        try:
+            yield row
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            row["seconds"] = round(time.perf_counter() - t0, 3)
+            if self.cuda:
+                free, total = torch.cuda.mem_get_info()
+                row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                row["device_used_gib"] = round((total - free) / 2**30, 3)
+            self.rows[name] = {**row, **self.rows.get(name, {})}
+            print(f"[gpu_smoke] {name}: {row['seconds']:.1f} s", file=sys.stderr, flush=True)
+
+
+def _lora_b_abs_max(path: Path) -> float:
+    """Largest |weight| over the ``lora_B`` tensors of a safetensors file (0 = the LoRA is still
+    at PEFT's / diffusers' zero initialisation)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    b = [t for k, t in tensors.items() if "lora_B" in k or "lora.up" in k]
+    if not b:
+        raise ValueError(f"{path}: no lora_B tensors")
+    return max(float(t.float().abs().max()) for t in b)
+
+
+def _finite(x: Any) -> bool:
+    return x is not None and math.isfinite(float(x))
+
+
+def _release(cuda: bool) -> None:
+    """Collect garbage and return cached CUDA blocks, so the next stage's figures are its own."""
+    import gc
+
+    gc.collect()
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _serve_vllm(timer: Stages, merged: Path, name: str, dtype: str, top: int, triples: list, reference: np.ndarray,
+                log_path: Path) -> dict[str, Any]:
+    """Score ``triples`` through ``vllm serve`` of the merged judge (``LocalJudgeServer(engine="vllm")``)
+    and the project's client; a row with ``skipped`` (no CUDA, vllm does not import) or
+    ``failed`` (the server did not come up: its log tail) otherwise."""
+    from paco.judge.client import JudgeClient, JudgeError, LocalJudgeServer
+
+    if not timer.cuda:
+        return {"skipped": "vllm needs a CUDA device"}
+    try:
+        importlib.import_module("vllm")
+    except ImportError as exc:
+        return {"skipped": f"vllm does not import ({exc}): pip install -e '.[gpu]'"}
+    try:
+        with timer.stage(f"serve_vllm_{dtype}_start_and_score"), LocalJudgeServer(
+                merged, name, engine="vllm", dtype=dtype, max_logprobs=top, startup_timeout_s=900,
+                log_path=log_path) as url:
+            client = JudgeClient(url, name, concurrency=16, top_logprobs=top)
+            client.score(triples[:1])  # warm-up
+            t0 = time.perf_counter()
+            got = np.asarray(client.score(triples))
+            secs = time.perf_counter() - t0
+    except JudgeError as exc:
+        return {"failed": str(exc)[-3000:]}
+    return dict(scores=got.tolist(), max_abs_diff_vs_transformers=float(np.abs(got - reference).max()),
+                tolerance=vllm_tolerance(dtype), pairs_per_s=round(len(triples) / secs, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------
+
+
+def run_smoke(workdir: Path, *, device: str = "cuda", dtype: str = "bfloat16", width_scale: float = 1.0,
+              seed: int = 0, engines: tuple[str, ...] = ("paco", "vllm"), sizes: dict[str, int] | None = None
+              ) -> dict[str, Any]:
+    """Build the models under ``workdir`` and run every stage (see the module docstring).
+
+    Returns:
+        ``{"config": ..., "stages": {name: {seconds, peak_gib, device_used_gib, ...figures}}}``;
+        per stage the figures the GPU tests check: ``sft.loss``, ``sft.lora_b_abs_max``,
+        ``merge.max_abs_diff``, ``serve.<engine>.{scores, max_abs_diff_vs_transformers}``,
+        ``grpo.{loss, lora_b_abs_max, rewards}``, ``final.{image_sizes, expected_size, rewards}``.
+
+    Raises:
+        RuntimeError: ``device`` is CUDA and none is available, or a stage exits non-zero.
+    """
+    import torch
+    import yaml
+    from accelerate import Accelerator
+
+    from paco.core.io import decode_image, write_parquet
+    from paco.core.params import validate_params
+    from paco.core.run_identity import params_identity
+    from paco.grpo.final_samples import final_samples
+    from paco.grpo.judge_endpoint import judge_endpoint, make_reward_context
+    from paco.grpo.policies import grid_size
+    from paco.grpo.trainer import train_grpo
+    from paco.judge.client import JudgeClient
+    from paco.judge.model import Judge
+    from paco.judge.templates import judge_instruction
+    from paco.judge.training import train_reward
+    from paco.models.loading import load_judge_processor
+    from paco.models.smoke import SMOKE_JUDGE_MAX_PIXELS, build_smoke_models
+    from stages import reward_merge
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("gpu_smoke: --device cuda but torch.cuda.is_available() is false "
+                           "(use --device cpu --dtype float32 --width-scale 0.04 for the CPU path)")
+    sizes = {**SIZES["cuda" if device.startswith("cuda") else "cpu"], **(sizes or {})}
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    timer = Stages(device)
+    results: dict[str, Any] = {"config": {"device": device, "dtype": dtype, "width_scale": width_scale, "seed": seed,
+                                          "sizes": sizes, "torch": torch.__version__,
+                                          "gpu": torch.cuda.get_device_name() if timer.cuda else None},
+                               "stages": timer.rows}
+
+    with timer.stage("build") as row:
+        max_px = SMOKE_JUDGE_MAX_PIXELS if width_scale == 1.0 else max(sizes["panel_px"] ** 2, 56 * 56)
+        dirs = build_smoke_models(workdir / "models", seed=seed, width_scale=width_scale, judge_max_pixels=max_px)
+        row["bytes"] = {r: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for r, d in dirs.items()}
+    top = len(load_judge_processor(dirs["judge_base"]).tokenizer)
+    raw = smoke_params(device, dtype, sizes, top)
+    params = validate_params(raw, source="gpu_smoke params")
+    params_path = workdir / "params.yaml"
+    params_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    # one accelerator for the run (accelerate's state is a process singleton): the judge step's
+    # gradient accumulation and bf16 autocast; GRPO and final sampling only take its device
+    rt = params.reward_train
+    accelerator = Accelerator(cpu=not device.startswith("cuda"),
+                              mixed_precision="bf16" if (dtype == "bfloat16" and timer.cuda) else "no",
+                              gradient_accumulation_steps=rt.gradient_accumulation_steps)
+
+    # (a) judge SFT: one optimizer step with the paper's LoRA
+    n_train = rt.batch_size * rt.gradient_accumulation_steps
+    sft = sft_table(n_train, 8, sizes["panel_px"], seed)
+    sft_path = workdir / "sft.parquet"
+    write_parquet(sft_path, sft, image_columns=["image_a", "image_b"])
+    with timer.stage("sft") as row:
+        out = train_reward(rt, sft_path, dirs["judge_base"],
+                           identity=params_identity("reward_train", {"reward_train": rt.model_dump(mode="json")}),
+                           adapter_dir=workdir / "adapter", checkpoints_dir=workdir / "sft_checkpoints",
+                           plots_dir=None, accelerator=accelerator)
+    rep = out["report"]
+    # tokens of the step: its training rows as the trainer encodes them (prompt + response)
+    from paco.judge.model import check_answer_tokens
+    from paco.judge.training import encode_rows, load_sft_rows
+
+    processor = load_judge_processor(dirs["judge_base"])
+    rows = load_sft_rows(sft_path, "train")
+    tokens = int(encode_rows(processor, rows, check_answer_tokens(processor.tokenizer))["attention_mask"].sum())
+    timer.rows["sft"].update(
+        loss=rep["train_loss_final"], eval=rep["eval_final"], optimizer_steps=rep["total_steps"],
+        mixed_precision=rep["mixed_precision"], train_seconds_per_step=rep["seconds_per_step"],
+        lora=dict(rank=rt.lora.rank, alpha=rt.lora.alpha), trainable_parameters=rep["parameters"]["trainable"],
+        parameters=rep["parameters"]["total"], lora_b_abs_max=_lora_b_abs_max(workdir / "adapter/adapter_model.safetensors"),
+        pairs=n_train, tokens=tokens,
+        checkpoints=sorted(p.name for p in (workdir / "sft_checkpoints").iterdir() if not p.name.startswith(".")),
+        # the optimizer step alone (the stage's seconds also hold loading, evaluation, checkpoint)
+        pairs_per_s=rep["train_pairs_per_second"],
+        tokens_per_s=round(tokens / rep["seconds_per_step"], 1) if rep["seconds_per_step"] else None)
+
+    # (b) merge: the reward_merge stage itself
+    merged = workdir / "judge_merged"
+    with timer.stage("merge") as row:
+        code = reward_merge.main(["--params", str(params_path), "--base", str(dirs["judge_base"]), "--adapter",
+                                  str(workdir / "adapter"), "--sft", str(sft_path), "--out", str(merged),
+                                  "--metrics", str(workdir / "merge/metrics.json")])
+        if code != 0:
+            raise RuntimeError(f"stages.reward_merge exited {code}")
+    merge_report = json.loads((workdir / "merge/report.json").read_text())
+    timer.rows["merge"].update(max_abs_diff=merge_report["max_abs_diff"], tolerance=merge_report["tolerance"],
+                               parameters=merge_report["parameters"])
+
+    # (c) serving: vLLM first (it wants most of the free device memory at start-up), then the
+    # project's server, kept up for GRPO and final sampling; both against the in-process judge
+    accelerator.free_memory()  # the judge step's model and optimizer, held by the accelerator
+    accelerator._custom_objects.clear()  # its scheduler (registered for checkpointing)
+    _release(timer.cuda)
+    text = params.judge_endpoint
+    pairs = pair_images(sizes["pairs"], sizes["panel_px"], seed + 1)
+    triples = [(a, b, judge_instruction("a textured wall")) for a, b, _ in pairs]
+    judge = Judge.from_pretrained(merged, dtype=torch_dtype, device=device, batch_size=1)
+    judge.score(triples[:1])  # warm-up (kernels, allocator)
+    with timer.stage("judge_in_process") as row:
+        reference = np.asarray(judge.score(triples))
+    timer.rows["judge_in_process"]["pairs_per_s"] = round(len(triples) / timer.rows["judge_in_process"]["seconds"], 2)
+    del judge
+    _release(timer.cuda)
+    serve_rows: dict[str, Any] = {}
+    if "vllm" in engines:
+        # float32 (tests/test_vllm.py's tolerance, weights upcast from the merged bf16 ones) and the
+        # run's dtype (the paper's serving), each against the in-process judge in the same dtype
+        for vdtype in dict.fromkeys(["float32", dtype]):
+            ref = reference
+            if vdtype != dtype and timer.cuda:
+                judge = Judge.from_pretrained(merged, dtype=torch.float32, device=device, batch_size=1)
+                ref = np.asarray(judge.score(triples))
+                del judge
+                _release(timer.cuda)
+            serve_rows[f"vllm-{vdtype}"] = _serve_vllm(timer, merged, text.served_model_name, vdtype, top, triples,
+                                                       ref, workdir / f"server/vllm-{vdtype}.log")
+    with contextlib.ExitStack() as stack:
+        with timer.stage("serve_start"):
+            url = stack.enter_context(judge_endpoint(params, merged, accelerator, workdir / "server"))
+        if "paco" in engines:
+            client = JudgeClient(url, text.served_model_name, concurrency=16, top_logprobs=top)
+            client.score(triples[:1])  # warm-up
+            with timer.stage("serve") as row:
+                got = np.asarray(client.score(triples))
+            serve_rows["paco"] = dict(scores=got.tolist(), max_abs_diff_vs_transformers=float(np.abs(got - reference).max()),
+                                      tolerance=SERVER_TOLERANCE,
+                                      pairs_per_s=round(len(triples) / timer.rows["serve"]["seconds"], 2))
+        timer.rows.setdefault("serve", {}).update(engines=serve_rows, reference=reference.tolist(), pairs=len(triples))
+
+        # (d) one GRPO epoch through the real trainer, rewards through the served judge
+        ctx = make_reward_context(params, url, dirs["clip"])
+        cfg = params.grpo["t2is"]
+        prompts = prompts_table(cfg.prompts_per_epoch, 2)
+        with timer.stage("grpo"):
+            gout = train_grpo(cfg, prompts, dirs["policy_t2is"], ctx,
+                              identity=params_identity("grpo@t2is", {
+                                  "grpo.t2is": cfg.model_dump(mode="json"),
+                                  "judge_endpoint": params.judge_endpoint.model_dump(mode="json"),
+                                  "subfigures": params.subfigures.model_dump(mode="json")}),
+                              lora_dir=workdir / "grpo_lora", checkpoints_dir=workdir / "grpo_checkpoints",
+                              plots_dir=None, accelerator=accelerator)
+        g = gout["report"]
+        n_traj = g["trajectories_per_epoch"]
+        sec = g["seconds"]
+        timer.rows["grpo"].update(
+            loss=g["train_final"].get("loss"), reward=g["train_final"].get("reward"),
+            rewards={k: g["train_final"].get(f"{k}_mean") for k in cfg.rewards},
+            eval_reward=g["eval_final"].get("reward"), trajectories=n_traj, sde_steps=list(cfg.rollout.sde_indices),
+            rollout_steps=cfg.rollout.num_steps, resolution=cfg.train.resolution, eval_resolution=cfg.eval.resolution,
+            substeps_seconds=sec, lora=dict(rank=cfg.lora.rank, alpha=cfg.lora.alpha),
+            lora_parameters=g["lora_parameters"],
+            lora_b_abs_max=_lora_b_abs_max(workdir / "grpo_lora/pytorch_lora_weights.safetensors"),
+            checkpoints=sorted(p.name for p in (workdir / "grpo_checkpoints").iterdir() if p.name.startswith("epoch-")),
+            judge_requests=ctx.judge.requests,
+            images_per_s=round(n_traj / sec["rollout"], 3) if sec.get("rollout") else None)
+
+        # (e) final sampling with and without the LoRA
+        _release(timer.cuda)  # the GRPO policy
+        fcfg = params.final_samples["t2is"]
+        with timer.stage("final"):
+            table, sheets, metrics = final_samples(fcfg, prompts, dirs["policy_t2is"], workdir / "grpo_lora", ctx,
+                                                   accelerator=accelerator)
+        sizes_seen = sorted({decode_image(c).size for c in table["image"]})
+        h, w = grid_size(1024, 1024, fcfg.resolution)
+        timer.rows["final"].update(
+            samples=len(table), image_sizes=[list(s) for s in sizes_seen], expected_size=[w, h],
+            rewards={k: {"base": v["base_mean"], "lora": v["lora_mean"]} for k, v in metrics["rewards"].items()},
+            consistency=table["reward_consistency"].tolist(),
+            lora_differs=bool(any(
+                decode_image(a).tobytes() != decode_image(b).tobytes() for a, b in zip(
+                    table[table["variant"] == "base"]["image"], table[table["variant"] == "lora"]["image"],
+                    strict=True))),
+            images_per_s=round(len(table) / timer.rows["final"]["seconds"], 3))
+    results["checks"] = checks(results)
+    return results
+
+
+def checks(results: dict[str, Any]) -> dict[str, bool]:
+    """The behaviour the GPU tests assert, computed from a run's results (names -> passed)."""
+    s = results["stages"]
+    out = {
+        "sft_loss_finite": _finite(s["sft"].get("loss")),
+        "sft_lora_changed": s["sft"]["lora_b_abs_max"] > 0,
+        "merge_within_tolerance": max(s["merge"]["max_abs_diff"].values()) <= s["merge"]["tolerance"],
+        "grpo_loss_finite": _finite(s["grpo"].get("loss")),
+        "grpo_lora_changed": s["grpo"]["lora_b_abs_max"] > 0,
+        "final_image_size": s["final"]["image_sizes"] == [s["final"]["expected_size"]],
+        "scores_in_unit_interval": all(0.0 <= x <= 1.0 for x in s["final"]["consistency"] + s["serve"]["reference"]),
+    }
+    for engine, row in s["serve"]["engines"].items():
+        if "failed" in row:
+            out[f"{engine}_started"] = False
+        if "scores" in row:
+            out[f"{engine}_scores_in_unit_interval"] = all(0.0 <= x <= 1.0 for x in row["scores"])
+            out[f"{engine}_matches_transformers"] = row["max_abs_diff_vs_transformers"] <= row["tolerance"]
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    """The printed summary: one line per stage."""
+    lines = [f"{'stage':18s} {'seconds':>9s} {'peak GiB':>9s} {'device GiB':>10s}  throughput"]
+    for name, row in results["stages"].items():
+        rate = []
+        for key, unit in (("tokens_per_s", "tokens/s"), ("pairs_per_s", "pairs/s"), ("images_per_s", "images/s")):
+            if row.get(key) is not None:
+                rate.append(f"{row[key]:g} {unit}")
+        for engine, e in (row.get("engines") or {}).items():
+            rate.append(f"{engine} {e['pairs_per_s']:g} pairs/s" if "pairs_per_s" in e else
+                        f"{engine}: {e.get('skipped') or 'failed to start'}")
+        peak, used = row.get("peak_gib"), row.get("device_used_gib")
+        lines.append(f"{name:18s} {row.get('seconds', float('nan')):9.1f} "
+                     f"{'-' if peak is None else f'{peak:.2f}':>9s} {'-' if used is None else f'{used:.2f}':>10s}  "
+                     + ", ".join(rate))
+    lines.append("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in results["checks"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", type=Path, default=None, help="where models and outputs go (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON results to write")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--width-scale", type=float, default=1.0, help="model widths x this, in (0, 1] (1: real widths)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engines", default="paco,vllm", help="servers to score with: paco, vllm")
+    ap.add_argument("--prompts-per-epoch", type=int, default=None)
+    ap.add_argument("--group-size", type=int, default=None)
+    args = ap.parse_args(argv)
+    over = {k: v for k, v in (("prompts_per_epoch", args.prompts_per_epoch), ("group_size", args.group_size))
+            if v is not None}
+    import logging
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_smoke: no CUDA device (torch.cuda.is_available() is false); the CPU path is "
+              "--device cpu --dtype float32 --width-scale 0.04", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    for noisy in ("httpx", "httpcore", "openai"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    with (tempfile.TemporaryDirectory(prefix="gpu-smoke-") if args.workdir is None
+          else contextlib.nullcontext(str(args.workdir))) as wd:
+        results = run_smoke(Path(wd), device=args.device, dtype=args.dtype, width_scale=args.width_scale,
+                            seed=args.seed, engines=tuple(args.engines.split(",")), sizes=over)
+    print(table(results))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return 0 if all(results["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
