@@ -9,6 +9,11 @@ OpenAI-compatible endpoint, ``local`` a transformers VLM) justifies each pair's 
 ``Yes.``/``No.`` with ``fast``). Resumable: finished chunks persist in ``--progress``; a corrupt
 chunk is discarded with a warning naming it, labelled again and listed in the metrics
 (``discarded_chunks``).
+
+Multi-process (``accelerate launch`` with ``resources.stages.labels.processes``): chunk ``n`` is
+labelled by process ``n % processes``; the main process checks the progress directory first and
+assembles ``sft.parquet`` from the chunks after everyone is done, so the table is byte-identical
+for any process count (and a resumed run may use another count).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from paco.judge import labels as L
-from paco.core.io import read_parquet, write_parquet
+from paco.core.io import ArtifactError, read_parquet, write_parquet
+from paco.core.distributed import launched_processes
 from paco.core.params import Params
 from paco.core.stage import StageOutput, log, run, seed_everything
 
@@ -47,20 +53,33 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     panels = read_parquet(args.panels, required=["panel_id", "image"])
     prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
     identity = stage_identity("labels", args.params, params=params, args=args)
-    resumed = L.prepare_progress(args.progress, identity.digest)
     from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
 
     edit_pairs = read_parquet(args.edit_pairs, required=EDIT_PAIR_COLUMNS)
     table = pd.concat([L.join_pairs(pairs, panels, prompts, instruction=cfg.instruction),
                        L.join_edit_pairs(edit_pairs)], ignore_index=True).sort_values("pair_id", ignore_index=True)
-    discarded = L.discard_invalid_chunks(table, args.progress, chunk_size=cfg.chunk_size)
-    resumed -= len(discarded)
-    if resumed:
-        log.info("resuming: %d chunks already labelled (run identity %s)", resumed, identity.digest[:12])
-    sft = L.label_pairs(
-        table, teacher, args.progress, chunk_size=cfg.chunk_size,
-        progress=lambda it: tqdm(it, desc="labels", unit="chunk"),
+    if len(table) == 0:
+        raise ArtifactError("no pairs to label")
+    procs = launched_processes()
+    resumed, discarded = 0, []
+    if procs.is_main:  # one process clears or checks the persisted chunks before anyone labels
+        resumed = L.prepare_progress(args.progress, identity.digest)
+        discarded = L.discard_invalid_chunks(table, args.progress, chunk_size=cfg.chunk_size)
+        resumed -= len(discarded)
+        if resumed:
+            log.info("resuming: %d chunks already labelled (run identity %s)", resumed, identity.digest[:12])
+    procs.barrier()
+    labelled = L.label_chunks(
+        table, teacher, args.progress, chunk_size=cfg.chunk_size, owns=procs.owns,
+        progress=lambda it: tqdm(it, desc=f"labels (process {procs.rank + 1}/{procs.world})" if procs.world > 1
+                                 else "labels", unit="chunk", position=procs.rank),
     )
+    log.info("process %d/%d labelled %d chunks", procs.rank + 1, procs.world, labelled)
+    procs.barrier()
+    if not procs.is_main:
+        args.metrics = None  # the main process writes the table and the metrics
+        return StageOutput({})
+    sft = L.assemble_sft(table, teacher, args.progress, chunk_size=cfg.chunk_size)
     write_parquet(args.out, sft, image_columns=["image_a", "image_b"])
     metrics = L.summarise(sft)
     metrics["resumed_chunks"] = resumed

@@ -1,6 +1,10 @@
 """labels: instruction/theme join, resumable chunks, failures kept and counted."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -8,7 +12,7 @@ import pytest
 from PIL import Image
 
 from paco.judge import labels as L
-from paco.core.io import ArtifactError, encode_image
+from paco.core.io import ArtifactError, encode_image, write_parquet
 from paco.judge.teacher import TeacherResult, make_teacher
 from paco.judge.templates import parse_response
 
@@ -156,3 +160,60 @@ def test_corrupt_identity_marker_starts_over(tmp_path, caplog):
         assert L.prepare_progress(tmp_path, "fp") == 0
     assert "run_identity.json is unreadable" in caplog.text
     assert json.loads((tmp_path / "run_identity.json").read_text()) == {"identity": "fp"}
+
+
+# --------------------------------------------------------------------------------------------
+# the stage under accelerate: chunks sharded over processes, one table whatever the count
+# --------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stage_inputs(tmp: Path) -> dict[str, Path]:
+    from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
+
+    pairs, panels, prompts = tables(n_pairs=10)
+    paths = {name: tmp / f"{name}.parquet" for name in ("pairs", "panels", "prompts", "edit_pairs")}
+    write_parquet(paths["pairs"], pairs)
+    write_parquet(paths["panels"], panels, image_columns=["image"])
+    write_parquet(paths["prompts"], prompts)
+    write_parquet(paths["edit_pairs"], pd.DataFrame({c: [] for c in EDIT_PAIR_COLUMNS}))
+    # 10 pairs in chunks of 3: chunks 0..3, so 2 processes label 2 chunks each
+    (tmp / "params.yaml").write_text("labels: {chunk_size: 3, teacher: {backend: template, template: {size: 48}}}\n")
+    return paths
+
+
+def _launch_labels(processes: int, tmp: Path, paths: dict[str, Path], out: Path) -> str:
+    cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", str(processes),
+           "-m", "stages.labels", "--params", str(tmp / "params.yaml"), "--pairs", str(paths["pairs"]),
+           "--panels", str(paths["panels"]), "--prompts", str(paths["prompts"]),
+           "--edit-pairs", str(paths["edit_pairs"]), "--progress", str(out / "progress"),
+           "--out", str(out / "sft.parquet"), "--metrics", str(out / "metrics.json")]
+    env = {**os.environ, "PACO_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stderr
+
+
+def test_two_processes_write_the_one_process_table_byte_for_byte(tmp_path):
+    paths = _stage_inputs(tmp_path)
+    one, two = tmp_path / "one", tmp_path / "two"
+    _launch_labels(1, tmp_path, paths, one)
+    log = _launch_labels(2, tmp_path, paths, two)
+    # each process labelled its own chunks (n % 2 == rank), and only those
+    assert "process 1/2 labelled 2 chunks" in log and "process 2/2 labelled 2 chunks" in log, log[-2000:]
+    assert (one / "sft.parquet").read_bytes() == (two / "sft.parquet").read_bytes()
+    assert (one / "metrics.json").read_bytes() == (two / "metrics.json").read_bytes()
+    for n in range(4):
+        name = f"chunk-{n:05d}.parquet"
+        assert (one / "progress" / name).read_bytes() == (two / "progress" / name).read_bytes(), name
+    report = json.loads((two / "report.json").read_text())
+    assert report["run"]["processes"] == 2 and report["pairs"] == 10 and report["resumed_chunks"] == 0
+
+    # resumed under another process count: 3 chunks kept, the lost one labelled by its new owner
+    (two / "progress" / "chunk-00001.parquet").unlink()
+    (two / "sft.parquet").unlink()
+    log = _launch_labels(1, tmp_path, paths, two)
+    assert "process 1/1 labelled 1 chunks" in log, log[-2000:]
+    assert (one / "sft.parquet").read_bytes() == (two / "sft.parquet").read_bytes()
+    assert json.loads((two / "report.json").read_text())["resumed_chunks"] == 3

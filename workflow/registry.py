@@ -466,6 +466,7 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="labels",
+        launcher="accelerate",  # chunks sharded over resources.stages.labels.processes
         args=(
             ("--pairs", _d("pairs", "pairs.parquet")),
             ("--panels", _d("subfigures", "panels.parquet")),

@@ -171,22 +171,48 @@ def label_pairs(
     chunk_size: int,
     progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
 ) -> pd.DataFrame:
-    """Run the teacher over ``table`` (from :func:`join_pairs`) chunk by chunk, persisting each.
+    """Run the teacher over ``table`` (from :func:`join_pairs`) chunk by chunk, persisting each,
+    in one process: :func:`discard_invalid_chunks`, :func:`label_chunks`, :func:`assemble_sft`.
 
-    Chunk ``n`` covers rows ``[n * chunk_size, (n + 1) * chunk_size)`` and is written atomically
-    to ``progress_dir/chunk-<n>.parquet``; existing chunks are reused (resume) unless
-    :func:`discard_invalid_chunks` finds them corrupt, in which case they are labelled again.
     Returns the SFT table (``SFT_COLUMNS``).
 
     Raises:
         ArtifactError: no pairs, or the teacher returned results for other pairs than it was
             given.
     """
-    n_chunks = (len(table) + chunk_size - 1) // chunk_size
-    if n_chunks == 0:
+    if len(table) == 0:
         raise ArtifactError("no pairs to label")
     discard_invalid_chunks(table, progress_dir, chunk_size=chunk_size)
-    for n in progress(range(n_chunks)):
+    label_chunks(table, teacher, progress_dir, chunk_size=chunk_size, progress=progress)
+    return assemble_sft(table, teacher, progress_dir, chunk_size=chunk_size)
+
+
+def label_chunks(
+    table: pd.DataFrame,
+    teacher: Teacher,
+    progress_dir: Path,
+    *,
+    chunk_size: int,
+    owns: Callable[[int], bool] = lambda n: True,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
+) -> int:
+    """Label the chunks of ``table`` that ``owns(n)`` selects and that are not persisted yet.
+
+    Chunk ``n`` covers rows ``[n * chunk_size, (n + 1) * chunk_size)`` and is written atomically
+    to ``progress_dir/chunk-<n>.parquet``; an existing chunk is reused (resume). A chunk's result
+    depends only on its rows and the teacher (the local teacher seeds every call), so which
+    process labels it, and in what order, changes nothing (``owns``: e.g.
+    :meth:`paco.core.distributed.Processes.owns`). Run :func:`discard_invalid_chunks` first, in
+    one process.
+
+    Returns the number of chunks labelled by this call.
+
+    Raises:
+        ArtifactError: the teacher returned results for other pairs than it was given.
+    """
+    n_chunks = (len(table) + chunk_size - 1) // chunk_size
+    labelled = 0
+    for n in progress([n for n in range(n_chunks) if owns(n)]):
         path = _chunk_path(progress_dir, n)
         if path.is_file():
             continue
@@ -222,6 +248,20 @@ def label_pairs(
                 columns=_RESULT_COLUMNS,
             ),
         )
+        labelled += 1
+    return labelled
+
+
+def assemble_sft(table: pd.DataFrame, teacher: Teacher, progress_dir: Path, *, chunk_size: int) -> pd.DataFrame:
+    """The SFT table (``SFT_COLUMNS``, rows in ``table``'s order) from every persisted chunk.
+
+    Raises:
+        ArtifactError: a chunk is missing or unreadable, or a pair has no teacher result.
+    """
+    n_chunks = (len(table) + chunk_size - 1) // chunk_size
+    missing = [n for n in range(n_chunks) if not _chunk_path(progress_dir, n).is_file()]
+    if missing:
+        raise ArtifactError(f"{len(missing)} of {n_chunks} label chunks missing in {progress_dir} (first: {missing[0]})")
     done = pd.concat([read_parquet(_chunk_path(progress_dir, n)) for n in range(n_chunks)], ignore_index=True)
     sft = table.merge(done, on="pair_id", how="left", validate="one_to_one")
     if sft["status"].isna().any():
