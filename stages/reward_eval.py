@@ -10,6 +10,11 @@ paper Table 1): pairwise preference accuracy per dimension (prompt following, co
 overall = sqrt(PF * SC)), strict and with ties, macro-averaged over task types, for the same
 judges, on the held-out photo edits (``photos``, from ``edit_pairs.parquet``) or an
 EditReward-Bench-format file (``editreward``).
+
+Multi-process (``accelerate launch`` with ``resources.stages.reward_eval.processes``): every
+scorer's batches are sharded over the processes and gathered in order
+(:func:`paco.core.distributed.shard_batches`), so the predictions and metrics are byte-identical
+for any process count; the main process writes them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from paco.judge import evaluation as E
+from paco.core.distributed import launched_processes, shard_batches
 from paco.core.io import ArtifactError, read_parquet, write_parquet
 from paco.core.params import Params
 from paco.core.stage import StageOutput, log, run, seed_everything
@@ -59,13 +65,17 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     needed = set(instances["ref_panel_id"]) | {c for cands in instances["candidate_panel_ids"] for c in cands}
     panels = E.decode_panels(read_parquet(args.panels, required=["panel_id", "image"]), needed)
 
-    judges = {"paco_reward": Judge.from_pretrained(args.judge, answer_variants=cfg.answer_variants, batch_size=cfg.batch_size)}
+    procs = launched_processes()
+    device = procs.device  # this process's GPU (or the CPU)
+    judges = {"paco_reward": Judge.from_pretrained(args.judge, answer_variants=cfg.answer_variants,
+                                                   batch_size=cfg.batch_size, device=device)}
     scorers = {"paco_reward": judges["paco_reward"].score}
     if "base_zero_shot" in cfg.baselines:
-        judges["base_zero_shot"] = Judge.from_pretrained(args.base, answer_variants=cfg.answer_variants, batch_size=cfg.batch_size)
+        judges["base_zero_shot"] = Judge.from_pretrained(args.base, answer_variants=cfg.answer_variants,
+                                                         batch_size=cfg.batch_size, device=device)
         scorers["base_zero_shot"] = judges["base_zero_shot"].score
     if "clip_i" in cfg.baselines:
-        clip = ClipScorer(args.clip)
+        clip = ClipScorer(args.clip, device=device)
 
         def clip_i(triples):
             a = clip.image_embeddings([t[0] for t in triples], batch_size=cfg.batch_size)
@@ -74,6 +84,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
 
         scorers["clip_i"] = clip_i
 
+    scorers = {name: shard_batches(fn, procs, cfg.batch_size) for name, fn in scorers.items()}
     preds = {}
     for name, scorer in scorers.items():
         preds[name] = E.rank_predictions(
@@ -81,7 +92,10 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
             progress=lambda it, name=name: tqdm(it, desc=f"eval {name}", unit="chunk"), chunk=4 * cfg.batch_size,
         )
     table = pd.concat(preds.values(), ignore_index=True)
-    write_parquet(args.predictions, table)
+    if procs.is_main:
+        write_parquet(args.predictions, table)
+    else:
+        args.metrics = None  # the main process writes the predictions and the metrics
     metrics = {
         "split": cfg.split,
         "instances": len(instances),

@@ -522,6 +522,7 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="reward_eval",
+        launcher="accelerate",  # scorer batches sharded over resources.stages.reward_eval.processes
         args=(
             ("--judge", _d("reward_merge", "model")),
             ("--base", "data/models/judge_base"),

@@ -1,7 +1,7 @@
 """The processes a stage runs as: rank, world size, ownership of work units, a barrier.
 
-A stage with work to shard (``labels`` today; ``reward_train``, ``grpo`` and ``final_samples``
-use their ``Accelerator``) is started by the registry's ``accelerate launch`` with the stage's
+A stage with work to shard (``labels``, ``reward_eval``; ``reward_train``, ``grpo`` and
+``final_samples`` use their ``Accelerator``) is started by the registry's ``accelerate launch`` with the stage's
 ``resources.processes``. Each process takes the work units it owns (unit ``n`` belongs to rank
 ``n % world``: a fixed assignment, so the result of each unit does not depend on how many
 processes there are), persists them, and the main process assembles the output in unit order
@@ -12,8 +12,12 @@ is initialised.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,16 @@ class Processes:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def device(self) -> str:
+        """This process's torch device: its own GPU under a multi-process launch on GPUs
+        (``PartialState.device``), else ``cuda`` when one is visible, else ``cpu``."""
+        if self.state is not None:
+            return str(self.state.device)
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def owns(self, unit: int) -> bool:
         """Whether work unit ``unit`` (0-based) is this process's: ``unit % world == rank``."""
@@ -62,3 +76,47 @@ def launched_processes() -> Processes:
     if state.num_processes != world:
         raise RuntimeError(f"WORLD_SIZE is {world} but the process group has {state.num_processes} processes")
     return Processes(rank=state.process_index, world=state.num_processes, state=state)
+
+
+def shard_batches(fn: Callable[[Sequence[T]], list[R]], procs: Processes, batch_size: int) -> Callable[[Sequence[T]], list[R]]:
+    """``fn`` (items -> one result per item, computed in batches of ``batch_size``) made to
+    compute only this process's batches of each call and return every result, in order, on every
+    process.
+
+    A call's items are cut into batches of ``batch_size`` (the last may be shorter); batch ``n``
+    belongs to rank ``n % world``, which runs ``fn`` on its batches concatenated: since ``fn``
+    cuts them at the same boundaries, every batch is the one a single process would run, so the
+    results are bit-identical for any process count (a batched forward's floats may depend on
+    what shares the batch). Results are exchanged with ``accelerate.utils.gather_object``. Every
+    process must make the same calls with the same item counts (collective). One process:
+    ``fn`` itself.
+
+    Raises:
+        RuntimeError: ``fn`` returned another number of results than items, or the gathered
+            batches do not cover the call exactly once.
+    """
+    if procs.world == 1:
+        return fn
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+    def sharded(items: Sequence[T]) -> list[R]:
+        from accelerate.utils import gather_object
+
+        starts = list(range(0, len(items), batch_size))
+        mine = [n for n in range(len(starts)) if procs.owns(n)]
+        flat = [x for n in mine for x in items[starts[n]:starts[n] + batch_size]]
+        results = list(fn(flat)) if flat else []
+        if len(results) != len(flat):
+            raise RuntimeError(f"{len(results)} results for {len(flat)} items")
+        pieces, k = [], 0
+        for n in mine:
+            size = len(items[starts[n]:starts[n] + batch_size])
+            pieces.append((n, results[k:k + size]))
+            k += size
+        by_batch = dict(gather_object(pieces))
+        if sorted(by_batch) != list(range(len(starts))):
+            raise RuntimeError(f"gathered batches {sorted(by_batch)[:5]}... do not cover the {len(starts)} batches")
+        return [r for n in range(len(starts)) for r in by_batch[n]]
+
+    return sharded

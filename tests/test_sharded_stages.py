@@ -1,0 +1,73 @@
+"""Stages that shard their work over ``accelerate launch`` processes write the same bytes with 1
+and 2 processes (gloo on CPU): ``reward_eval`` here, on the embedded default's real ranking
+instances and photo edits (``labels``: tests/test_labels.py; ``reward_train``, ``grpo``: their
+own tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PACO_NUM_THREADS": "1",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+def _sh(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(args)}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A clone with the data stages run (``dvc repro pairs``: tiny models, prompts, composites,
+    panels, ranking instances, photo-edit pairs)."""
+    repo = tmp_path_factory.mktemp("sharded") / "repo"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+    _sh([sys.executable, "-m", "dvc", "repro", "pairs", "models"], repo)
+    return repo
+
+
+def _reward_eval(repo: Path, processes: int, out: Path) -> subprocess.CompletedProcess:
+    """The stage's registry command with ``processes`` and outputs under ``out``; the untrained
+    base judge stands in for the merged one (the scores are what must agree, not their quality)."""
+    from workflow.registry import by_name
+
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["resources"]["stages"]["reward_eval"]["processes"] = processes
+    params["reward_eval"]["batch_size"] = 6  # several batches per call, the last one short
+    (repo / f"params-{processes}.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    member = by_name("reward_eval").members(params)[0]
+    cmd = member.resolve(by_name("reward_eval").cmd, params)
+    cmd = (cmd.replace("params.yaml", f"params-{processes}.yaml")
+              .replace("--judge data/reward_merge/model", "--judge data/models/judge_base")
+              .replace("data/reward_eval/", f"{out}/"))
+    assert f"--num_processes {processes}" in cmd and f"{out}/predictions.parquet" in cmd, cmd
+    return _sh(["bash", "-c", cmd], repo)
+
+
+def test_reward_eval_two_processes_equal_one_byte_for_byte(workspace, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    _reward_eval(workspace, 1, one)
+    _reward_eval(workspace, 2, two)
+    assert (one / "predictions.parquet").read_bytes() == (two / "predictions.parquet").read_bytes()
+    assert (one / "metrics.json").read_bytes() == (two / "metrics.json").read_bytes()
+    report_one = json.loads((one / "report.json").read_text())
+    report_two = json.loads((two / "report.json").read_text())
+    assert report_two["run"]["processes"] == 2 and report_one["run"]["processes"] == 1
+    for report in (report_one, report_two):
+        del report["run"]
+    assert report_one == report_two  # every figure, the editing benchmark's included
+    assert report_one["instances"] > 0 and report_one["editing"]["instances"] > 0
