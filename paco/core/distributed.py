@@ -58,6 +58,21 @@ class Processes:
             self.state.wait_for_everyone()
 
 
+def _set_cpu_threads(local_processes: int) -> None:
+    """Torch threads on CPU: :func:`paco.core.stage.cpu_threads_per_process` (``$PACO_NUM_THREADS``,
+    else the cores over the node's processes), as the training stages do. CPU kernels may round
+    differently with another thread count (CLIP image features by 2e-7 seen), so byte-identical
+    results across process counts need the same threads per process: ``PACO_NUM_THREADS``."""
+    if local_processes <= 1 and "PACO_NUM_THREADS" not in os.environ:
+        return  # torch's own default: every core
+    import torch
+
+    from paco.core.stage import cpu_threads_per_process
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cpu_threads_per_process(local_processes))
+
+
 def launched_processes() -> Processes:
     """The processes of this launch: from ``accelerate launch`` (``WORLD_SIZE`` > 1: the process
     group is initialised through ``accelerate.PartialState``, gloo on CPU, NCCL on GPUs), else one
@@ -67,6 +82,7 @@ def launched_processes() -> Processes:
         RuntimeError: the launcher's world size and the initialised process group disagree.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    _set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if world <= 1:
         return Processes()
     import torch
