@@ -9,17 +9,25 @@ many were rotated by their EXIF orientation, scaled from 16 to 8 bits, or had tr
 composited onto white (``import_conversions``); with ``strict: false`` bad manifest rows and
 unreadable, oversized (``composites.import.max_pixels``) or unsupported images are skipped and
 listed in ``skipped``. A run that produces no composite fails here, not stages later.
+
+Multi-process (``accelerate launch`` with ``resources.stages.composites.processes``; the work is
+``generate``'s): render batch ``n`` belongs to process ``n % processes``; each process writes its
+composites to a part file beside the output, and the main process assembles the table in batch
+order, so it is byte-identical for any process count. ``photos`` and ``import`` run in the main
+process only.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from paco.data import composites as C
+from paco.core.distributed import launched_processes
 from paco.core.io import ALPHA_BACKGROUND, ArtifactError, read_parquet, write_parquet
 from paco.core.params import Params
 from paco.core.stage import StageOutput, log, run, seed_everything
@@ -39,6 +47,10 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     prompts = read_parquet(args.prompts, required=["prompt_id", "prompt", "rows", "cols", "height", "width"])
     skipped: list[dict] = []
     conversions: dict = {}
+    procs = launched_processes()
+    if not procs.is_main and cfg.source != "generate":
+        args.metrics = None  # photos / import: the main process does everything
+        return StageOutput({})
     if cfg.source == "photos":
         from paco.data.photos import render_composites
 
@@ -46,12 +58,19 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     elif cfg.source == "generate":
         from paco.models.loading import load_flux_pipeline
 
-        pipe = load_flux_pipeline(args.policy)
+        pipe = load_flux_pipeline(args.policy).to(procs.device)  # this process's GPU, or the CPU
         pipe.set_progress_bar_config(disable=True)
         df = C.generate_composites(
             prompts, pipe, cfg.generate, cfg.seeds_per_prompt, cfg.seed,
-            progress=lambda it: tqdm(it, desc="generate", unit="batch"),
+            progress=lambda it: tqdm(it, desc=f"generate (process {procs.rank + 1}/{procs.world})", unit="batch",
+                                     position=procs.rank),
+            owns=procs.owns,
         )
+        if procs.world > 1:
+            df = _assemble(df, prompts, cfg, procs, args.out)
+            if df is None:
+                args.metrics = None  # the main process writes the table and the metrics
+                return StageOutput({})
     else:
         import_cfg = cfg.import_.model_copy(update={"dir": str(args.import_dir)})
         df, skipped, conversions = C.import_composites(import_cfg, set(prompts["prompt_id"]), strict=cfg.strict)
@@ -80,6 +99,30 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         "import_conversions": {k: v for k, v in conversions.items() if k != "alpha_flattened_ids"},
         "alpha_flattened_ids": conversions.get("alpha_flattened_ids", [])[:50],
     }, "composites", "skipped_composites")
+
+
+def _assemble(df, prompts, cfg, procs, out: Path):
+    """Every process's composites, in batch order, on the main process (``None`` elsewhere):
+    each writes ``part-<rank>.parquet`` in a directory beside ``out``, removed afterwards."""
+    import pandas as pd
+
+    parts = out.parent / f".{out.name}.parts"
+    if procs.is_main:
+        shutil.rmtree(parts, ignore_errors=True)  # a killed run's leftovers
+        parts.mkdir(parents=True)
+    procs.barrier()
+    write_parquet(parts / f"part-{procs.rank}.parquet", df, image_columns=["image"])
+    procs.barrier()
+    if not procs.is_main:
+        return None
+    try:
+        table = pd.concat([read_parquet(parts / f"part-{r}.parquet") for r in range(procs.world)], ignore_index=True)
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)
+    order = C.composite_order(prompts, cfg.generate, cfg.seeds_per_prompt)
+    if sorted(table["composite_id"]) != sorted(order):
+        raise ArtifactError(f"the processes rendered {len(table)} composites, expected {len(order)}")
+    return table.set_index("composite_id").loc[order].reset_index()[C.COMPOSITE_COLUMNS]
 
 
 def main(argv: list[str] | None = None) -> int:

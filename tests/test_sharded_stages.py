@@ -1,5 +1,5 @@
 """Stages that shard their work over ``accelerate launch`` processes write the same bytes with 1
-and 2 processes (gloo on CPU): ``reward_eval`` here, on the embedded default's real ranking
+and 2 processes (gloo on CPU): ``composites`` (source ``generate``) and ``reward_eval`` here, on the embedded default's real ranking
 instances and photo edits (``labels``: tests/test_labels.py; ``reward_train``, ``grpo``: their
 own tests).
 """
@@ -38,6 +38,44 @@ def workspace(tmp_path_factory) -> Path:
     subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
     _sh([sys.executable, "-m", "dvc", "repro", "pairs", "models"], repo)
     return repo
+
+
+def _stage_command(repo: Path, stage: str, processes: int, edit) -> tuple[str, dict]:
+    """The registry's command of ``stage`` with ``processes``, its params written to
+    ``params-<stage>-<processes>.yaml`` after ``edit(params)``."""
+    from workflow.registry import by_name
+
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["resources"]["stages"][stage]["processes"] = processes
+    edit(params)
+    name = f"params-{stage}-{processes}.yaml"
+    (repo / name).write_text(yaml.safe_dump(params, sort_keys=False))
+    member = by_name(stage).members(params)[0]
+    cmd = member.resolve(by_name(stage).cmd, params).replace("params.yaml", name)
+    assert f"--num_processes {processes}" in cmd, cmd
+    return cmd, params
+
+
+def test_composites_generate_two_processes_equal_one_byte_for_byte(workspace, tmp_path):
+    def generate(params):
+        params["composites"]["source"] = "generate"
+        params["composites"]["seeds_per_prompt"] = 2
+        # 3 render batches per output size, the last one short
+        params["composites"]["generate"].update(height=64, width=64, num_inference_steps=2, batch_size=5)
+
+    outs = {}
+    for processes in (1, 2):
+        cmd, _ = _stage_command(workspace, "composites", processes, generate)
+        out = tmp_path / str(processes)
+        cmd = cmd.replace("data/composites/", f"{out}/")
+        assert f"{out}/composites.parquet" in cmd and "--policy data/models/policy_t2is" in cmd, cmd
+        log = _sh(["bash", "-c", cmd], workspace).stderr
+        outs[processes] = out
+    assert "process 2/2" in log
+    assert (outs[1] / "composites.parquet").read_bytes() == (outs[2] / "composites.parquet").read_bytes()
+    assert (outs[1] / "metrics.json").read_bytes() == (outs[2] / "metrics.json").read_bytes()
+    assert not list(outs[2].glob(".*parts*"))  # the part files are gone
+    assert json.loads((outs[2] / "report.json").read_text())["run"]["processes"] == 2
 
 
 def _reward_eval(repo: Path, processes: int, out: Path) -> subprocess.CompletedProcess:

@@ -414,6 +414,7 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="composites",
+        launcher="accelerate",  # generate: render batches sharded over resources.stages.composites.processes
         args=(
             ("--prompts", _d("prompts", "prompts.parquet")),
             ("--policy", "data/models/policy_t2is"),

@@ -32,6 +32,32 @@ def composite_id(prompt_id: str, seed: int) -> str:
     return f"{prompt_id}-s{seed}"
 
 
+def generation_batches(
+    prompts: pd.DataFrame, cfg: GenerateParams, seeds_per_prompt: int,
+) -> list[list[tuple[dict[str, Any], int]]]:
+    """The render batches of :func:`generate_composites`: ``(prompt row, k)`` jobs sorted by
+    output size (stable: prompt order, then k), cut into batches of ``cfg.batch_size`` that never
+    mix sizes. Batch ``n`` is the unit a process owns in a multi-process run."""
+
+    def size(row: dict[str, Any]) -> tuple[int, int]:
+        return cfg.height or int(row["height"]), cfg.width or int(row["width"])
+
+    jobs = sorted(
+        ((row, k) for row in prompts.to_dict("records") for k in range(seeds_per_prompt)),
+        key=lambda job: size(job[0]),
+    )
+    return [
+        b[i : i + cfg.batch_size]
+        for b in ([j for j in jobs if size(j[0]) == s] for s in dict.fromkeys(size(r) for r, _ in jobs))
+        for i in range(0, len(b), cfg.batch_size)
+    ]
+
+
+def composite_order(prompts: pd.DataFrame, cfg: GenerateParams, seeds_per_prompt: int) -> list[str]:
+    """The composite ids in the row order :func:`generate_composites` writes (batch order)."""
+    return [composite_id(r["prompt_id"], k) for b in generation_batches(prompts, cfg, seeds_per_prompt) for r, k in b]
+
+
 def generate_composites(
     prompts: pd.DataFrame,
     pipeline: Any,
@@ -39,6 +65,7 @@ def generate_composites(
     seeds_per_prompt: int,
     seed: int,
     progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
+    owns: Callable[[int], bool] = lambda n: True,
 ) -> pd.DataFrame:
     """Render ``seeds_per_prompt`` composites per prompt with a diffusers text-to-image pipeline.
 
@@ -49,27 +76,20 @@ def generate_composites(
     Args:
         prompts: rows with prompt_id, prompt (the full grid prompt), height, width.
         pipeline: a loaded ``FluxPipeline`` (or any pipeline with the same call signature).
+        owns: which batches of :func:`generation_batches` to render (a process's share:
+            :meth:`paco.core.distributed.Processes.owns`); the batches are the same whatever the
+            share, so every composite is the one a single process renders.
 
     Returns:
-        The composite table (``COMPOSITE_COLUMNS``), ``seed`` = k.
+        The composite table (``COMPOSITE_COLUMNS``) of the rendered batches in batch order,
+        ``seed`` = k.
     """
     import torch
 
-    def size(row: dict[str, Any]) -> tuple[int, int]:
-        return cfg.height or int(row["height"]), cfg.width or int(row["width"])
-
-    jobs = sorted(
-        ((row, k) for row in prompts.to_dict("records") for k in range(seeds_per_prompt)),
-        key=lambda job: size(job[0]),  # stable: same-size jobs batch together, in prompt order
-    )
-    batches = [
-        b[i : i + cfg.batch_size]
-        for b in ([j for j in jobs if size(j[0]) == s] for s in dict.fromkeys(size(r) for r, _ in jobs))
-        for i in range(0, len(b), cfg.batch_size)
-    ]
+    batches = [b for n, b in enumerate(generation_batches(prompts, cfg, seeds_per_prompt)) if owns(n)]
     records = []
     for batch in progress(batches):
-        height, width = size(batch[0][0])
+        height, width = cfg.height or int(batch[0][0]["height"]), cfg.width or int(batch[0][0]["width"])
         out = pipeline(
             prompt=[r["prompt"] for r, _ in batch],
             height=height,
