@@ -5,6 +5,12 @@ safetensors with the processor, so ``transformers`` and ``vllm serve`` load it d
 stage checks that the unmerged adapter, the merged model in memory and the merged model reloaded
 from disk give the same P(Yes) on ``reward_merge.check_pairs`` held-out pairs, within
 ``MERGE_ATOL`` (float32) or ``MERGE_ATOL_BF16``, and fails otherwise.
+
+Multi-process (``accelerate launch`` with ``resources.stages.reward_merge.processes``): the
+check's scoring batches are sharded over the processes
+(:func:`paco.core.distributed.shard_batches`); the main process saves the merged model, which
+every process reloads for the third check. The model and metrics are byte-identical for any
+process count.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from paco.core.distributed import launched_processes, shard_batches
 from paco.core.io import ArtifactError, decode_image, read_parquet
 from paco.core.params import Params
 from paco.core.stage import StageOutput, log, run
@@ -52,18 +59,35 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         (decode_image(r.image_a, what=r.pair_id), decode_image(r.image_b, what=r.pair_id), r.instruction)
         for r in check.itertuples()
     ]
+    procs = launched_processes()
+
+    def check_scores(judge: Judge) -> list[float]:
+        return shard_batches(judge.score, procs, judge.batch_size)(triples)
+
     model, processor = load_judge(args.base, dtype=dtype)
     peft_model = PeftModel.from_pretrained(model, str(args.adapter))
-    unmerged = Judge(peft_model, processor).score(triples)
+    unmerged = check_scores(Judge(peft_model, processor))
     merged_model = peft_model.merge_and_unload()
-    merged = Judge(merged_model, processor).score(triples)
+    merged = check_scores(Judge(merged_model, processor))
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent)) if procs.is_main else None
+    if procs.world > 1:  # every process reloads the main process's save
+        from accelerate.utils import broadcast_object_list
+
+        box = [tmp]
+        broadcast_object_list(box, from_process=0)
+        tmp = box[0]
     try:
-        merged_model.save_pretrained(tmp, safe_serialization=True)
-        processor.save_pretrained(tmp)
-        reloaded = Judge.from_pretrained(tmp, dtype=dtype).score(triples)
+        if procs.is_main:
+            merged_model.save_pretrained(tmp, safe_serialization=True)
+            processor.save_pretrained(tmp)
+        procs.barrier()
+        reloaded = check_scores(Judge.from_pretrained(tmp, dtype=dtype))
+        procs.barrier()  # everyone has read the save before it moves
+        if not procs.is_main:
+            args.metrics = None  # the main process moves the model into place and writes the metrics
+            return StageOutput({})
         diffs = {
             "merged_vs_unmerged": max(abs(a - b) for a, b in zip(unmerged, merged, strict=True)),
             "reloaded_vs_unmerged": max(abs(a - b) for a, b in zip(unmerged, reloaded, strict=True)),
@@ -75,7 +99,8 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
             shutil.rmtree(args.out)
         tmp.rename(args.out)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if procs.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
     return StageOutput.headline({
         "check_pairs": len(triples),
         "tolerance": atol,

@@ -1,5 +1,6 @@
 """Stages that shard their work over ``accelerate launch`` processes write the same bytes with 1
-and 2 processes (gloo on CPU): ``composites`` (source ``generate``) and ``reward_eval`` here, on the embedded default's real ranking
+and 2 processes (gloo on CPU): ``composites`` (source ``generate``), ``reward_merge`` and
+``reward_eval`` here, on the embedded default's real ranking
 instances and photo edits (``labels``: tests/test_labels.py; ``reward_train``, ``grpo``: their
 own tests).
 """
@@ -32,11 +33,11 @@ def _sh(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    """A clone with the data stages run (``dvc repro pairs``: tiny models, prompts, composites,
-    panels, ranking instances, photo-edit pairs)."""
+    """A clone with the data stages run (``dvc repro labels``: tiny models, prompts, composites,
+    panels, ranking instances, photo-edit pairs, SFT table)."""
     repo = tmp_path_factory.mktemp("sharded") / "repo"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
-    _sh([sys.executable, "-m", "dvc", "repro", "pairs", "models"], repo)
+    _sh([sys.executable, "-m", "dvc", "repro", "labels", "models"], repo)
     return repo
 
 
@@ -76,6 +77,41 @@ def test_composites_generate_two_processes_equal_one_byte_for_byte(workspace, tm
     assert (outs[1] / "metrics.json").read_bytes() == (outs[2] / "metrics.json").read_bytes()
     assert not list(outs[2].glob(".*parts*"))  # the part files are gone
     assert json.loads((outs[2] / "report.json").read_text())["run"]["processes"] == 2
+
+
+def test_reward_merge_two_processes_equal_one_byte_for_byte(workspace, tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from paco.models.loading import load_judge
+
+    # an adapter with non-zero B (a fresh LoRA would merge to the base itself)
+    torch.manual_seed(0)
+    model, _ = load_judge(workspace / "data/models/judge_base")
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "adapter")
+
+    def check(params):
+        params["reward_merge"]["check_pairs"] = 11  # 2 check batches of 8 (the Judge's), the last short
+
+    outs = {}
+    for processes in (1, 2):
+        cmd, _ = _stage_command(workspace, "reward_merge", processes, check)
+        out = tmp_path / str(processes)
+        cmd = (cmd.replace("--adapter data/reward_train/adapter", f"--adapter {tmp_path}/adapter")
+                  .replace("data/reward_merge/", f"{out}/"))
+        assert f"--out {out}/model" in cmd, cmd
+        _sh(["bash", "-c", cmd], workspace)
+        outs[processes] = out
+    files = sorted(p.relative_to(outs[1]) for p in outs[1].rglob("*") if p.is_file() and p.name != "report.json")
+    assert any(str(f).endswith(".safetensors") for f in files), files
+    assert files == sorted(p.relative_to(outs[2]) for p in outs[2].rglob("*") if p.is_file() and p.name != "report.json")
+    for f in files:
+        assert (outs[1] / f).read_bytes() == (outs[2] / f).read_bytes(), f
+    metrics = json.loads((outs[2] / "metrics.json").read_text())
+    assert metrics["check_pairs"] == 11 and max(metrics["max_abs_diff"].values()) <= metrics["tolerance"]
+    assert not list(outs[2].glob(".model.*"))  # the temporary save was moved or removed
 
 
 def _reward_eval(repo: Path, processes: int, out: Path) -> subprocess.CompletedProcess:

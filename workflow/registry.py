@@ -509,6 +509,7 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="reward_merge",
+        launcher="accelerate",  # the check's batches sharded over resources.stages.reward_merge.processes
         args=(
             ("--base", "data/models/judge_base"),
             ("--adapter", _d("reward_train", "adapter")),
