@@ -109,8 +109,8 @@ def test_reward_merge_two_processes_equal_one_byte_for_byte(workspace, tmp_path)
     assert files == sorted(p.relative_to(outs[2]) for p in outs[2].rglob("*") if p.is_file() and p.name != "report.json")
     for f in files:
         assert (outs[1] / f).read_bytes() == (outs[2] / f).read_bytes(), f
-    metrics = json.loads((outs[2] / "metrics.json").read_text())
-    assert metrics["check_pairs"] == 11 and max(metrics["max_abs_diff"].values()) <= metrics["tolerance"]
+    metrics = json.loads((outs[2] / "report.json").read_text())
+    assert metrics["run"]["processes"] == 2 and metrics["check_pairs"] == 11 and max(metrics["max_abs_diff"].values()) <= metrics["tolerance"]
     assert not list(outs[2].glob(".model.*"))  # the temporary save was moved or removed
 
 
