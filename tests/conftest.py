@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,21 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
         role: materialise(role, spec, root / role, seed=TINY_SEED)
         for role, spec in TINY_ROLES.items()
     }
+
+
+@pytest.fixture(scope="session")
+def data_stages_clone(tmp_path_factory) -> Path:
+    """A fresh clone of the committed tree with ``dvc repro labels models`` run (tiny models,
+    prompts, edits, composites, panels, ranking instances, pairs, SFT table): the reference the
+    multi-process and SLURM tests compare with. Read-only for its users (write elsewhere)."""
+    root = Path(__file__).resolve().parents[1]
+    repo = tmp_path_factory.mktemp("data_stages") / "repo"
+    subprocess.run(["git", "clone", "-q", str(root), str(repo)], check=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, "-m", "dvc", "repro", "labels", "models"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return repo
 
 
 @pytest.fixture()

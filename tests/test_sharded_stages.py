@@ -32,13 +32,10 @@ def _sh(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    """A clone with the data stages run (``dvc repro labels``: tiny models, prompts, composites,
-    panels, ranking instances, photo-edit pairs, SFT table)."""
-    repo = tmp_path_factory.mktemp("sharded") / "repo"
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
-    _sh([sys.executable, "-m", "dvc", "repro", "labels", "models"], repo)
-    return repo
+def workspace(data_stages_clone) -> Path:
+    """The clone with the data stages run (``data_stages_clone``); the tests write their params
+    files beside ``params.yaml`` and their outputs under tmp paths."""
+    return data_stages_clone
 
 
 def _stage_command(repo: Path, stage: str, processes: int, edit) -> tuple[str, dict]:
@@ -122,6 +119,7 @@ def _reward_eval(repo: Path, processes: int, out: Path) -> subprocess.CompletedP
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["resources"]["stages"]["reward_eval"]["processes"] = processes
     params["reward_eval"]["batch_size"] = 6  # several batches per call, the last one short
+    params["reward_eval"]["baselines"] = ["clip_i"]  # one transformer judge is enough here
     (repo / f"params-{processes}.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     member = by_name("reward_eval").members(params)[0]
     cmd = member.resolve(by_name("reward_eval").cmd, params)

@@ -43,13 +43,12 @@ ARTIFACTS = [
 RUN_TIMEOUT_S = 900
 
 
-def _env(venv_on_path: bool = False) -> dict[str, str]:
-    """The environment of a submitting shell. Without ``venv_on_path`` this interpreter's bin
-    directory is not on PATH (no activated venv): the Snakefile must bring it to every job."""
+def _env() -> dict[str, str]:
+    """The environment of a submitting shell without an activated venv (this interpreter's bin
+    directory is not on PATH): the Snakefile must bring it to every job."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     bindir = str(Path(sys.executable).parent)
-    path = [p for p in env["PATH"].split(os.pathsep) if p != bindir]
-    env["PATH"] = os.pathsep.join([bindir, *path] if venv_on_path else path)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != bindir)
     return env
 
 
@@ -81,28 +80,6 @@ def _clone(tmp: Path, name: str) -> Path:
     return repo
 
 
-def _run(args: list[str], cwd: Path, timeout: int = RUN_TIMEOUT_S, venv_on_path: bool = False) -> tuple[int, str, float]:
-    """Run ``args`` in its own process group; return (exit code, output, seconds). A timeout
-    kills the whole group (Snakemake may ignore SIGTERM while it waits on jobs) and fails."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(args, cwd=cwd, env=_env(venv_on_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(args)} still running after {timeout} s:\n{out[-4000:]}")
-    return proc.returncode, out, time.monotonic() - t0
-
-
-def _snakemake(repo: Path, profile: str, targets: list[str], timeout: int = RUN_TIMEOUT_S) -> tuple[int, str, float]:
-    args = [sys.executable, "-m", "snakemake", *targets, "--profile", f"workflow/profiles/{profile}"]
-    if profile == "slurm":
-        args += ["--slurm-init-seconds-before-status-checks", "1"]
-    return _run(args, repo, timeout)
-
-
 def _job_ids(profile: str, output: str) -> list[str]:
     """The SLURM job ids Snakemake reports having submitted."""
     pattern = (r"has been submitted with SLURM jobid (\d+)" if profile == "slurm"
@@ -129,20 +106,46 @@ def _two_processes_for_labels(repo: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def dvc_reference(tmp_path_factory) -> Path:
-    """The same stages under ``dvc repro`` (one process each), outside SLURM."""
-    repo = _clone(tmp_path_factory.mktemp("slurm-ref"), "repo")
-    code, out, _ = _run([sys.executable, "-m", "dvc", "repro", "labels", "models"], repo, venv_on_path=True)
-    assert code == 0, out[-6000:]
-    return repo
+def dvc_reference(data_stages_clone) -> Path:
+    """The same stages under ``dvc repro`` (one process each), outside SLURM (conftest)."""
+    return data_stages_clone
+
+
+def _start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, float]:
+    return subprocess.Popen(args, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True), time.monotonic()
+
+
+def _finish(proc: subprocess.Popen, t0: float, what: str, timeout: int) -> tuple[int, str, float]:
+    """Wait for a started run; kill its process group and fail after ``timeout`` s in all."""
+    try:
+        out, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{what}: still running after {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def profile_runs(cluster, tmp_path_factory) -> dict[str, tuple[Path, int, str, float]]:
+    """The DAG up to the SFT table through both profiles at once, in two fresh clones, with
+    ``labels`` as 2 accelerate processes: profile -> (clone, exit code, output, seconds)."""
+    started = {}
+    for profile in ("slurm", "sbatch"):
+        repo = _clone(tmp_path_factory.mktemp(f"profile-{profile}"), "repo")
+        _two_processes_for_labels(repo)
+        args = [sys.executable, "-m", "snakemake", *TARGETS, "--profile", f"workflow/profiles/{profile}"]
+        if profile == "slurm":
+            args += ["--slurm-init-seconds-before-status-checks", "1"]
+        started[profile] = (repo, *_start(args, repo))
+    return {profile: (repo, *_finish(proc, t0, profile, RUN_TIMEOUT_S)) for profile, (repo, proc, t0) in started.items()}
 
 
 @pytest.mark.parametrize("profile", ["slurm", "sbatch"])
-def test_profile_runs_every_job_through_sbatch_with_dvc_identical_outputs(cluster, dvc_reference, tmp_path,
-                                                                          profile, record_property):
-    repo = _clone(tmp_path, profile)
-    _two_processes_for_labels(repo)
-    code, out, seconds = _snakemake(repo, profile, TARGETS)
+def test_profile_runs_every_job_through_sbatch_with_dvc_identical_outputs(profile_runs, dvc_reference, profile,
+                                                                          record_property):
+    repo, code, out, seconds = profile_runs[profile]
     assert code == 0, out[-6000:]
 
     jobs = _sacct(_job_ids(profile, out))
@@ -189,55 +192,54 @@ def _starve_prompts_of_memory(repo: Path) -> None:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def _fail_in_both_profiles(tmp_path: Path, breaks) -> dict[str, tuple[Path, str]]:
-    """Run the prompts rule through both profiles at once in clones broken by ``breaks``;
-    each must exit non-zero within 300 s. Returns profile -> (clone, output)."""
-    procs = {}
-    for profile in ("slurm", "sbatch"):
-        repo = _clone(tmp_path, profile)
-        breaks(repo)
-        args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
-                f"workflow/profiles/{profile}"]
-        procs[profile] = (repo, time.monotonic(), subprocess.Popen(
-            args, cwd=repo, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True))
+@pytest.fixture(scope="module")
+def failed_runs(cluster, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, str]]:
+    """The prompts rule through both profiles, at once, in clones broken two ways: ``stage`` (a
+    malformed prompts row: the stage fails) and ``memory`` (60 MB: SLURM kills the job). Each run
+    must exit non-zero within 300 s. (profile, how) -> (clone, output)."""
+    started = {}
+    for how, breaks in (("stage", _break_prompts), ("memory", _starve_prompts_of_memory)):
+        for profile in ("slurm", "sbatch"):
+            repo = _clone(tmp_path_factory.mktemp(f"fail-{how}-{profile}"), "repo")
+            breaks(repo)
+            args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
+                    f"workflow/profiles/{profile}"]
+            started[profile, how] = (repo, *_start(args, repo))
     results = {}
-    for profile, (repo, t0, proc) in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"{profile}: a failed job left Snakemake waiting for 300 s")
-        print(f"{profile}: failed after {time.monotonic() - t0:.0f} s")
-        assert proc.returncode != 0, out[-4000:]
+    for key, (repo, proc, t0) in started.items():
+        code, out, seconds = _finish(proc, t0, f"{key}: a failed job left Snakemake waiting", 300)
+        print(f"{key}: failed after {seconds:.0f} s")
+        assert code != 0, out[-4000:]
         assert "Error in rule prompts" in out, out[-4000:]
-        results[profile] = (repo, out)
+        results[key] = (repo, out)
     return results
 
 
-def test_a_failing_stage_fails_both_profiles_promptly_with_its_log(cluster, tmp_path):
+@pytest.mark.parametrize("profile", ["slurm", "sbatch"])
+def test_a_failing_stage_fails_the_run_promptly_with_its_log(failed_runs, profile):
     """A stage that fails inside its SLURM job (a malformed prompts row) ends Snakemake with a
     non-zero exit, naming the rule's log, which holds the stage's error."""
-    for profile, (repo, out) in _fail_in_both_profiles(tmp_path, _break_prompts).items():
-        assert "logs/prompts.log" in out, out[-4000:]
-        log = (repo / "logs/prompts.log").read_text()
-        assert "stage prompts failed" in log and "t2is_prompts.jsonl" in log, log
-        job = _job_ids(profile, out)
-        assert len(job) == 1 and _sacct(job)[0]["State"] == "FAILED", out[-4000:]
+    repo, out = failed_runs[profile, "stage"]
+    assert "logs/prompts.log" in out, out[-4000:]
+    log = (repo / "logs/prompts.log").read_text()
+    assert "stage prompts failed" in log and "t2is_prompts.jsonl" in log, log
+    job = _job_ids(profile, out)
+    assert len(job) == 1 and _sacct(job)[0]["State"] == "FAILED", out[-4000:]
 
 
-def test_a_job_slurm_kills_for_memory_fails_both_profiles_with_the_job_log(cluster, tmp_path):
+@pytest.mark.parametrize("profile", ["slurm", "sbatch"])
+def test_a_job_slurm_kills_for_memory_fails_the_run_with_the_job_log(failed_runs, profile):
     """A job SLURM kills (over its memory; a time limit or node failure looks the same to
     Snakemake) fails the run promptly, and Snakemake's output leads to the job's SLURM log."""
-    for profile, (repo, out) in _fail_in_both_profiles(tmp_path, _starve_prompts_of_memory).items():
-        job = _job_ids(profile, out)
-        assert len(job) == 1, out[-4000:]
-        row = _sacct(job)[0]
-        assert row["State"] in ("FAILED", "OUT_OF_MEMORY") and row["ReqMem"] == "60M", row
-        # the job's own log: named by the slurm plugin's error, by status.sh for cluster-generic
-        logs = re.findall(r"(/\S+/logs/slurm/\S+?\.(?:log|out))", out)
-        assert logs, out[-4000:]
-        assert "exceeded memory limit" in Path(logs[-1]).read_text().lower(), logs
+    repo, out = failed_runs[profile, "memory"]
+    job = _job_ids(profile, out)
+    assert len(job) == 1, out[-4000:]
+    row = _sacct(job)[0]
+    assert row["State"] in ("FAILED", "OUT_OF_MEMORY") and row["ReqMem"] == "60M", row
+    # the job's own log: named by the slurm plugin's error, by status.sh for cluster-generic
+    logs = re.findall(r"(/\S+/logs/slurm/\S+?\.(?:log|out))", out)
+    assert logs, out[-4000:]
+    assert "exceeded memory limit" in Path(logs[-1]).read_text().lower(), logs
 
 
 def test_a_job_cancelled_by_scancel_fails_the_sbatch_profile(cluster, tmp_path):
