@@ -92,6 +92,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=$DEF_MEM_PER_CPU
 SchedulerType=sched/backfill
+# schedule pending jobs within seconds (defaults: 60 s main loop, 30 s backfill), as a test
+# cluster of short jobs needs
+SchedulerParameters=sched_interval=2,bf_interval=2
 MpiDefault=none
 ReturnToService=2
 MinJobAge=300
