@@ -194,24 +194,25 @@ def _starve_prompts_of_memory(repo: Path) -> None:
 
 @pytest.fixture(scope="module")
 def failed_runs(cluster, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, str]]:
-    """The prompts rule through both profiles, at once, in clones broken two ways: ``stage`` (a
+    """The prompts rule through both profiles at once, in clones broken two ways: ``stage`` (a
     malformed prompts row: the stage fails) and ``memory`` (60 MB: SLURM kills the job). Each run
     must exit non-zero within 300 s. (profile, how) -> (clone, output)."""
-    started = {}
+    results = {}
     for how, breaks in (("stage", _break_prompts), ("memory", _starve_prompts_of_memory)):
+        # the two profiles at once (four runs at once took twice as long on 2 cores)
+        started = {}
         for profile in ("slurm", "sbatch"):
             repo = _clone(tmp_path_factory.mktemp(f"fail-{how}-{profile}"), "repo")
             breaks(repo)
             args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
                     f"workflow/profiles/{profile}"]
             started[profile, how] = (repo, *_start(args, repo))
-    results = {}
-    for key, (repo, proc, t0) in started.items():
-        code, out, seconds = _finish(proc, t0, f"{key}: a failed job left Snakemake waiting", 300)
-        print(f"{key}: failed after {seconds:.0f} s")
-        assert code != 0, out[-4000:]
-        assert "Error in rule prompts" in out, out[-4000:]
-        results[key] = (repo, out)
+        for key, (repo, proc, t0) in started.items():
+            code, out, seconds = _finish(proc, t0, f"{key}: a failed job left Snakemake waiting", 300)
+            print(f"{key}: failed after {seconds:.0f} s")
+            assert code != 0, out[-4000:]
+            assert "Error in rule prompts" in out, out[-4000:]
+            results[key] = (repo, out)
     return results
 
 
