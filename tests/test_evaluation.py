@@ -1,6 +1,8 @@
 """ConsistencyRank evaluation plumbing: orders from scores, metrics, refusals, EditReward accuracy."""
 
+import io
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -72,7 +74,7 @@ def _bench_scorer(triples):
 def test_edit_benchmark_accuracy_by_hand(tmp_path):
     # (dimension, task type, output a colour, output b colour)
     cases = [("consistency", "colour", (200, 0, 0), (50, 0, 0)),        # SC .78 > .20: win
-             ("instruction_following", "colour", (0, 100, 0), (0, 100, 0)),  # tie: lost strictly, won with >=
+             ("prompt_following", "colour", (0, 100, 0), (0, 100, 0)),  # tie: lost strictly, won with >=
              ("overall", "colour", (100, 100, 0), (200, 25, 0)),         # sqrt(SC*PF) .392 > .277: win
              ("consistency", "other", (10, 0, 0), (20, 0, 0)),           # lose
              ("consistency", "colour", (90, 0, 0), (80, 0, 0))]          # win
@@ -92,7 +94,7 @@ def test_edit_benchmark_accuracy_by_hand(tmp_path):
     acc = E.edit_accuracy(scores)
     assert acc["consistency"]["accuracy"] == pytest.approx(2 / 3) and acc["consistency"]["n"] == 3
     assert acc["consistency"]["accuracy_macro"] == pytest.approx(0.5)  # colour 2/2, other 0/1
-    assert acc["instruction_following"]["accuracy"] == 0.0 and acc["instruction_following"]["accuracy_ge"] == 1.0
+    assert acc["prompt_following"]["accuracy"] == 0.0 and acc["prompt_following"]["accuracy_ge"] == 1.0
     assert acc["overall"]["accuracy"] == 1.0
     assert acc["consistency"]["p_value"] == pytest.approx(0.5)  # P(X >= 2), X ~ Bin(3, 1/2)
     # CLIP-I style: one score for every dimension (here the red channel)
@@ -101,6 +103,95 @@ def test_edit_benchmark_accuracy_by_hand(tmp_path):
     path.write_text(json.dumps({"instruction": "x"}))
     with pytest.raises(ArtifactError, match="missing key"):
         E.read_edit_benchmark(path)
+
+
+def _png(colour, size=(8, 8)) -> dict:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return {"bytes": buf.getvalue(), "path": None}
+
+
+def _write_editreward_parquet(path, rows) -> None:
+    """The EditScore/EditReward-Bench export: datasets Image cells are {bytes, path} structs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    schema = pa.schema([("key", pa.list_(pa.string())), ("instruction", pa.string()), ("input_image", image),
+                        ("output_images", pa.list_(image)), ("task_type", pa.string()), ("dimension", pa.string())])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+def test_editreward_bench_parquet_layout_is_read_and_scored(tmp_path):
+    """EditReward-Bench as the authors' evaluation reads it: two output ids per row, the first
+    output preferred, one row per dimension; shards of a directory in sorted order; an output id
+    decoded once; an output of another size resized to the input's before scoring."""
+    inp = _png((0, 0, 0))
+    rows = [  # (keys, outputs, task, dimension)
+        {"key": ["m1-0", "m2-0"], "instruction": "make it red", "input_image": inp,
+         "output_images": [_png((200, 0, 0)), _png((50, 0, 0))], "task_type": "color_alter", "dimension": "consistency"},
+        {"key": ["m1-0", "m2-0"], "instruction": "make it red", "input_image": inp,
+         "output_images": [_png((200, 0, 0)), _png((50, 0, 0))], "task_type": "color_alter",
+         "dimension": "prompt_following"},
+    ]
+    rows2 = [{"key": ["m1-1", "m3-1"], "instruction": "add a hat", "input_image": _png((9, 9, 9)),
+              "output_images": [_png((10, 0, 0), (16, 4)), _png((20, 0, 0))], "task_type": "subject-add",
+              "dimension": "overall"}]
+    _write_editreward_parquet(tmp_path / "bench/data/train-00000-of-00002.parquet", rows)
+    _write_editreward_parquet(tmp_path / "bench/data/train-00001-of-00002.parquet", rows2)
+    bench = E.read_edit_benchmark(tmp_path / "bench")
+    assert list(bench["instance_id"]) == ["m1-0|m2-0|consistency", "m1-0|m2-0|prompt_following",
+                                          "m1-1|m3-1|overall"]
+    assert bench.loc[0, "output_a"] is bench.loc[1, "output_a"]  # one decoded image per output id
+    assert bench.loc[2, "output_a"].size == (16, 4)
+    seen = []
+
+    def scorer(triples):
+        seen.extend(b.size for _, b, _ in triples)
+        return _bench_scorer(triples)
+
+    scores = E.edit_scores(bench, scorer, templates="bench").set_index("instance_id")
+    assert set(seen) == {(8, 8)}  # resized to the input's size
+    assert scores.loc["m1-0|m2-0|consistency", "score_a"] == pytest.approx(200 / 255)
+    assert scores.loc["m1-0|m2-0|prompt_following", "score_b"] == pytest.approx(0.0)
+    acc = E.edit_accuracy(scores.reset_index())
+    assert acc["consistency"]["accuracy"] == 1.0 and acc["prompt_following"]["accuracy_ge"] == 1.0
+    assert acc["overall"]["accuracy"] == 0.0  # PF is 0 for both outputs: a tie
+    # one file works too
+    assert len(E.read_edit_benchmark(tmp_path / "bench/data/train-00001-of-00002.parquet")) == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.update(output_images=r["output_images"][:1]), "row 0: output_images must hold two images"),
+    (lambda r: r.update(key=["only-one"]), "row 0: key must be two output ids"),
+    (lambda r: r.update(dimension="instruction_following"), "row 0: dimension 'instruction_following'"),
+    (lambda r: r.update(instruction=" "), "row 0: blank instruction"),
+    (lambda r: r["output_images"].__setitem__(1, {"bytes": b"not a png", "path": None}), "row 0 output m2"),
+], ids=["one-output", "one-key", "unknown-dimension", "blank-instruction", "corrupt-output"])
+def test_editreward_bench_parquet_bad_rows_are_named(tmp_path, change, message):
+    row = {"key": ["m1", "m2"], "instruction": "make it red", "input_image": _png((0, 0, 0)),
+           "output_images": [_png((1, 0, 0)), _png((2, 0, 0))], "task_type": "t", "dimension": "overall"}
+    change(row)
+    _write_editreward_parquet(tmp_path / "b.parquet", [row])
+    with pytest.raises(ArtifactError, match=re.escape(message)):
+        E.read_edit_benchmark(tmp_path / "b.parquet")
+
+
+def test_editreward_bench_parquet_missing_columns_and_duplicates(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"key": [["a", "b"]], "instruction": ["x"]}), tmp_path / "b.parquet")
+    with pytest.raises(ArtifactError, match=r"missing column\(s\) \['dimension', 'input_image'"):
+        E.read_edit_benchmark(tmp_path / "b.parquet")
+    row = {"key": ["m1", "m2"], "instruction": "x", "input_image": _png((0, 0, 0)),
+           "output_images": [_png((1, 0, 0)), _png((2, 0, 0))], "task_type": "t", "dimension": "overall"}
+    _write_editreward_parquet(tmp_path / "d/b.parquet", [row, dict(row)])
+    with pytest.raises(ArtifactError, match=re.escape("duplicate instance 'm1|m2|overall'")):
+        E.read_edit_benchmark(tmp_path / "d")
+    with pytest.raises(ArtifactError, match="no EditReward-Bench Parquet file"):
+        E.read_edit_benchmark(tmp_path / "empty.parquet")
 
 
 def test_photo_edit_benchmark_prefers_the_correct_edit():

@@ -177,8 +177,8 @@ def test_the_editing_benchmark_scores_every_judge(dvc_repo):
     assert editing["benchmark"] == "photos" and editing["items"] == 14
     for judge in ("paco_reward", "base_zero_shot", "clip_i"):
         dims = editing["judges"][judge]
-        assert set(dims) == {"consistency", "instruction_following", "overall"}
-        assert dims["instruction_following"]["n"] == 28 and dims["overall"]["n"] == 40
+        assert set(dims) == {"consistency", "prompt_following", "overall"}
+        assert dims["prompt_following"]["n"] == 28 and dims["overall"]["n"] == 40
         for d in dims.values():
             assert 0 <= d["accuracy"] <= d["accuracy_ge"] <= 1 and 0 < d["p_value"] <= 1
     assert set(editing["paco_reward_vs"]) == {"base_zero_shot", "clip_i"}

@@ -401,9 +401,10 @@ class RewardEvalParams(_Section):
     )
     edit_benchmark: Literal["photos", "editreward", "none"] = Field(
         "photos", description="the judge's editing benchmark (paper Table 1): photos (the held-out photo edits of "
-        "edit_pairs.parquet, correct edit known), editreward (an EditReward-Bench-format jsonl), none")
-    editreward: str = Field("data/raw/editreward/bench.jsonl", description="EditReward-Bench-format jsonl "
-                            "(read with edit_benchmark: editreward)")
+        "edit_pairs.parquet, correct edit known), editreward (EditReward-Bench: its Parquet export or a jsonl), none")
+    editreward: str = Field("data/raw/editreward/bench.jsonl", description="EditReward-Bench: a directory or file of "
+                            "its Parquet export (EditScore/EditReward-Bench), or the project's jsonl layout "
+                            "(paco.judge.evaluation.read_edit_benchmark; read with edit_benchmark: editreward)")
     edit_templates: Literal["reward", "bench"] = Field(
         "bench", description="editing questions: bench (edit_*_bench, the EditReward-Bench evaluation's wording) or "
         "reward (edit_sc / edit_pf, the GRPO reward's wording the judge is trained on)")

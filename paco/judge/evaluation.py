@@ -139,16 +139,34 @@ def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy"
 
 
 def read_edit_benchmark(path: str | Path) -> pd.DataFrame:
-    """Read an EditReward-Bench-format jsonl: one object per line with ``instruction``,
-    ``input_image``, ``output_a``, ``output_b`` (image paths relative to the file, ``output_a``
-    the preferred edit), ``dimension`` (``consistency``, ``instruction_following``, ``overall``)
-    and optionally ``task_type`` (macro-averaging) and ``id``. Returns the layout of
-    :func:`photo_edit_benchmark` (``instance_id`` / ``item_id``: the ``id`` or ``line-<n>``).
+    """Read an editing preference benchmark in one of two layouts, by what ``path`` is.
+
+    * **EditReward-Bench** (paper Table 1; ``EditScore/EditReward-Bench`` on the hub, read by the
+      authors' ``PaCo-Reward/evaluation/Edit-Bench/evaluation.py`` with
+      ``load_dataset(dir, split="train")``): a Parquet file or a directory of Parquet shards
+      (searched recursively, read in sorted order) with the columns :data:`EDITREWARD_COLUMNS`:
+      ``key`` (two output ids), ``instruction``, ``input_image`` (an image cell),
+      ``output_images`` (two image cells, the first the human-preferred one), ``task_type``,
+      ``dimension``. An output id names one image: rows that share it share one decoded image.
+    * **jsonl** (any other file; the project's own small layout): one object per line with
+      ``instruction``, ``input_image``, ``output_a``, ``output_b`` (image paths relative to the
+      file, ``output_a`` preferred), ``dimension`` and optionally ``task_type`` and ``id``.
+
+    ``dimension`` is one of :data:`EDIT_DIMENSIONS`.
+
+    Returns:
+        The layout of :func:`photo_edit_benchmark`: ``instance_id`` (Parquet: ``<key a>|<key b>|
+        <dimension>``; jsonl: the ``id`` or ``line-<n>``), ``item_id`` (the same), ``task_type``,
+        ``instruction``, ``input_image``, ``output_a``, ``output_b`` (PIL RGB), ``dimension``.
 
     Raises:
-        ArtifactError: a missing file, key or image (names the line).
+        ArtifactError: a missing file or column, a row without two keys or two output images, an
+            unknown dimension, a duplicate instance, an image that does not decode (each names
+            the file and the line or row).
     """
     path = Path(path)
+    if path.is_dir() or path.suffix == ".parquet":
+        return _read_editreward_parquet(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: no EditReward benchmark file")
     rows = []
@@ -165,23 +183,88 @@ def read_edit_benchmark(path: str | Path) -> pd.DataFrame:
         for key in ("input_image", "output_a", "output_b"):
             file = path.parent / rec[key]
             rec[key] = decode_image(file.read_bytes() if file.is_file() else None, what=f"{path}:{n} {key}")
-        if rec["dimension"] not in EDIT_DIMENSIONS:
-            raise ArtifactError(f"{path}:{n}: dimension {rec['dimension']!r} is not one of {EDIT_DIMENSIONS}")
+        _check_dimension(rec["dimension"], f"{path}:{n}")
         ident = str(rec.get("id") or f"line-{n}")
         rows.append({"instance_id": ident, "item_id": ident, "task_type": str(rec.get("task_type") or ""),
                      "instruction": str(rec["instruction"]), "input_image": rec["input_image"],
                      "output_a": rec["output_a"], "output_b": rec["output_b"], "dimension": rec["dimension"]})
-    return pd.DataFrame.from_records(rows, columns=["instance_id", "item_id", "task_type", "instruction",
-                                                    "input_image", "output_a", "output_b", "dimension"])
+    return _bench_frame(rows, path)
 
 
-#: EditReward-Bench dimensions (paper Table 1): prompt following, consistency, overall
-EDIT_DIMENSIONS = ("instruction_following", "consistency", "overall")
+#: columns of the EditReward-Bench Parquet export (``datasets`` Image cells: ``{bytes, path}``)
+EDITREWARD_COLUMNS = ("key", "instruction", "input_image", "output_images", "task_type", "dimension")
+
+
+def _check_dimension(dimension: Any, where: str) -> None:
+    if dimension not in EDIT_DIMENSIONS:
+        raise ArtifactError(f"{where}: dimension {dimension!r} is not one of {EDIT_DIMENSIONS}")
+
+
+def _bench_frame(rows: list[dict[str, Any]], path: Path) -> pd.DataFrame:
+    cols = ["instance_id", "item_id", "task_type", "instruction", "input_image", "output_a", "output_b", "dimension"]
+    table = pd.DataFrame.from_records(rows, columns=cols)
+    dup = table["instance_id"].duplicated()
+    if dup.any():
+        raise ArtifactError(f"{path}: duplicate instance {table.loc[dup, 'instance_id'].iloc[0]!r}")
+    return table
+
+
+def _read_editreward_parquet(path: Path) -> pd.DataFrame:
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ArtifactError(f"{path}: no EditReward-Bench Parquet file")
+    inputs: dict[str, Image.Image] = {}   # input bytes digest -> image
+    outputs: dict[str, Image.Image] = {}  # output id -> image
+    rows = []
+    for f in files:
+        try:
+            pfile = pq.ParquetFile(f)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a broken file
+            raise ArtifactError(f"{f}: not a readable Parquet file ({exc})") from exc
+        missing = sorted(set(EDITREWARD_COLUMNS) - set(pfile.schema_arrow.names))
+        if missing:
+            raise ArtifactError(f"{f}: missing column(s) {missing} (EditReward-Bench has {list(EDITREWARD_COLUMNS)})")
+        n = 0
+        for batch in pfile.iter_batches(batch_size=64, columns=list(EDITREWARD_COLUMNS)):
+            for rec in batch.to_pylist():
+                where = f"{f}: row {n}"
+                n += 1
+                keys, outs = rec["key"], rec["output_images"]
+                if not isinstance(keys, list) or len(keys) != 2 or not all(isinstance(k, str) and k for k in keys):
+                    raise ArtifactError(f"{where}: key must be two output ids, got {keys!r}")
+                if not isinstance(outs, list) or len(outs) != 2:
+                    raise ArtifactError(f"{where}: output_images must hold two images, got "
+                                        f"{'none' if outs is None else len(outs)}")
+                if not isinstance(rec["instruction"], str) or not rec["instruction"].strip():
+                    raise ArtifactError(f"{where}: blank instruction")
+                _check_dimension(rec["dimension"], where)
+                cell = rec["input_image"]
+                digest = hashlib.sha256((cell or {}).get("bytes") or b"").hexdigest()
+                if digest not in inputs:
+                    inputs[digest] = decode_image(cell, what=f"{where} input_image")
+                for k, out in zip(keys, outs):
+                    if k not in outputs:
+                        outputs[k] = decode_image(out, what=f"{where} output {k}")
+                ident = f"{keys[0]}|{keys[1]}|{rec['dimension']}"
+                rows.append({"instance_id": ident, "item_id": ident, "task_type": str(rec["task_type"] or ""),
+                             "instruction": rec["instruction"], "input_image": inputs[digest],
+                             "output_a": outputs[keys[0]], "output_b": outputs[keys[1]],
+                             "dimension": rec["dimension"]})
+    return _bench_frame(rows, path)
+
+
+#: EditReward-Bench dimensions (paper Table 1; the benchmark's names): prompt following (PF),
+#: semantic consistency (SC), overall = sqrt(SC * PF)
+EDIT_DIMENSIONS = ("prompt_following", "consistency", "overall")
 
 #: photo-edit benchmark: (preferred, rejected, dimension) candidate triples per item
 #: (:mod:`paco.data.edit_pairs` candidates; ``wrong_subject`` absent for ``replace_subject``)
 PHOTO_PREFERENCES = (
-    ("correct", "unchanged", "instruction_following"), ("correct", "wrong_edit", "instruction_following"),
+    ("correct", "unchanged", "prompt_following"), ("correct", "wrong_edit", "prompt_following"),
     ("correct", "wrong_subject", "consistency"),
     ("correct", "unchanged", "overall"), ("correct", "wrong_edit", "overall"), ("correct", "wrong_subject", "overall"),
 )
@@ -230,7 +313,9 @@ def edit_scores(bench: pd.DataFrame, scorer: PairScorer, *, templates: str = "be
     original first, the output second), ``overall = sqrt(SC * PF)``. ``templates``: ``bench``
     (``edit_sc_bench`` / ``edit_pf_bench``, the EditReward-Bench evaluation's wording) or
     ``reward`` (``edit_sc`` / ``edit_pf``, the GRPO reward's wording). ``single``: the scorer
-    ignores the question (CLIP-I): its one score is used for every dimension.
+    ignores the question (CLIP-I): its one score is used for every dimension. An output whose
+    size differs from the input's is resized to it first (``PIL.Image.resize``, bicubic), as the
+    reference evaluation does (``Edit-Bench/evaluation.py: process_single_item``).
 
     Returns:
         ``bench``'s ``instance_id``, ``item_id``, ``task_type``, ``dimension`` with ``score_a`` and
@@ -256,7 +341,8 @@ def edit_scores(bench: pd.DataFrame, scorer: PairScorer, *, templates: str = "be
                 k = (id(r.input_image), id(out), q + r.instruction)
                 if k not in keys:
                     keys[k] = len(triples)
-                    triples.append((r.input_image, out, t.format(prompt=r.instruction)))
+                    shown = out if out.size == r.input_image.size else out.resize(r.input_image.size)
+                    triples.append((r.input_image, shown, t.format(prompt=r.instruction)))
     values = np.asarray(scorer(triples), dtype=np.float64) if triples else np.zeros(0)
 
     def score(r: Any, out: Image.Image) -> float:
@@ -264,7 +350,7 @@ def edit_scores(bench: pd.DataFrame, scorer: PairScorer, *, templates: str = "be
         if single:
             return float(sc)
         pf = values[keys[(id(r.input_image), id(out), "pf" + r.instruction)]]
-        return float({"consistency": sc, "instruction_following": pf}.get(r.dimension, np.sqrt(sc * pf)))
+        return float({"consistency": sc, "prompt_following": pf}.get(r.dimension, np.sqrt(sc * pf)))
 
     rows = [{"instance_id": r.instance_id, "item_id": r.item_id, "task_type": r.task_type, "dimension": r.dimension,
              "score_a": score(r, r.output_a), "score_b": score(r, r.output_b)} for r in bench.itertuples(index=False)]
