@@ -15,7 +15,8 @@ from paco.judge.templates import get_template
 
 @pytest.fixture(scope="module")
 def edits() -> pd.DataFrame:
-    return photo_edits(["cat", "coffee", "rocket"], ["greyscale", "mirror", "replace_subject"], 32, 1, 0)
+    # 2 photographs per split: candidates come from the item's own split
+    return photo_edits(["astronaut", "cat", "coffee", "rocket"], ["greyscale", "mirror", "replace_subject"], 32, 2, 0)
 
 
 def _pixels(cell) -> np.ndarray:
@@ -40,9 +41,11 @@ def test_candidates_and_labels_follow_the_table(edits):
             assert np.array_equal(b, _pixels(item["input_image"]))
         elif r["candidate"] == "wrong_edit":  # another operation's result on the same photograph
             same = by_id[(by_id["subject"] == item["subject"]) & (by_id.index != r["item_id"])]
+            assert len(same) and (same["split"] == item["split"]).all()
             assert any(np.array_equal(b, _pixels(t)) for t in same["target_image"])
-        else:  # wrong_subject: the same operation on another photograph
-            other = by_id[(by_id["subject"] != item["subject"]) & (by_id["task_type"] == item["task_type"])]
+        else:  # wrong_subject: the same operation on another photograph of the split
+            other = by_id[(by_id["subject"] != item["subject"]) & (by_id["task_type"] == item["task_type"])
+                          & (by_id["split"] == item["split"])]
             assert any(np.array_equal(b, _pixels(t)) for t in other["target_image"])
     # every item asks pf with 3 candidates; sc (2 candidates) except replace_subject
     counts = pairs.groupby(["item_id", "question"]).size()
@@ -75,3 +78,12 @@ def test_editing_pairs_join_the_labels_table_with_their_own_question(edits):
     table = join_edit_pairs(pairs)
     assert set(table["task"]) == {"edit_pf", "edit_sc"}
     assert table["theme"].isna().all() and (table["instruction"] == pairs.sort_values("pair_id")["instruction"]).all()
+
+
+def test_training_pairs_never_show_a_held_out_photograph(edits):
+    pairs, _ = make_edit_pairs(edits, seed=0, repeats=2)
+    held_out = [_pixels(c) for col in ("input_image", "target_image")
+                for c in edits.loc[edits["split"] == "test", col]]
+    for cell in pairs.loc[pairs["split"] == "train", "image_b"]:
+        b = _pixels(cell)
+        assert not any(np.array_equal(b, h) or np.array_equal(b, h[:, ::-1]) for h in held_out)

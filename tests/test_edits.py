@@ -23,13 +23,13 @@ def _px(cell) -> np.ndarray:
 
 def test_photo_edits_compute_the_instructed_result_and_split_by_photo():
     ops = ["greyscale", "mirror", "posterise", "zoom", "replace_subject", "warm_cast"]
-    df = photo_edits(SUBJECTS, ops, 48, 1, seed=3)
+    df = photo_edits(SUBJECTS, ops, 48, 2, seed=3)
     assert list(df.columns) == list(EDIT_COLUMNS)
     # greyscale is meaningless on the grey-scale cameraman: skipped there, every other pair present
     assert len(df) == len(SUBJECTS) * len(ops) - 1 and "cameraman-greyscale" not in set(df["item_id"])
     assert df["item_id"].is_unique and (df[["height", "width"]] == 48).all().all()
     by_split = df.groupby("split")["subject"].agg(set)
-    assert len(by_split["test"]) == 1 and not by_split["test"] & by_split["train"]
+    assert len(by_split["test"]) == 2 and not by_split["test"] & by_split["train"]
     rows = df.set_index("item_id")
     cat_in = decode_image(rows.loc["cat-mirror", "input_image"])
     assert np.array_equal(_px(rows.loc["cat-mirror", "target_image"]), np.asarray(ImageOps.mirror(cat_in)))
@@ -37,11 +37,12 @@ def test_photo_edits_compute_the_instructed_result_and_split_by_photo():
     assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
     assert set(np.unique(_px(rows.loc["coffee-posterise", "target_image"]))) <= {0, 64, 128, 192}
     other = rows.loc["cat-replace_subject", "instruction"].removeprefix("Replace the picture with a photo of the ")
-    assert other.rstrip(".") in {"astronaut", "coffee", "cameraman"}
+    other_split = rows.loc[f"{other.rstrip('.')}-mirror", "split"]
+    assert other.rstrip(".") in {"astronaut", "coffee", "cameraman"} and other_split == rows.loc["cat-mirror", "split"]
     assert np.array_equal(_px(rows.loc["cat-replace_subject", "target_image"]),
                           _px(rows.loc[f"{other.rstrip('.')}-mirror", "input_image"]))
     # deterministic
-    again = photo_edits(SUBJECTS, ops, 48, 1, seed=3)
+    again = photo_edits(SUBJECTS, ops, 48, 2, seed=3)
     assert again.drop(columns=["input_image", "target_image"]).equals(df.drop(columns=["input_image", "target_image"]))
     assert all(a["bytes"] == b["bytes"] for a, b in zip(again["target_image"], df["target_image"]))
 
@@ -51,6 +52,8 @@ def test_photo_edits_refuse_unknown_names_and_impossible_splits():
         photo_edits(["cat", "no_such_photo"], ["mirror"], 32, 1, 0)
     with pytest.raises(ValueError, match="test_photos"):
         photo_edits(["cat", "coffee"], ["mirror"], 32, 2, 0)
+    with pytest.raises(ValueError, match="replace_subject takes its replacement from the item's own split"):
+        photo_edits(["cat", "coffee", "rocket"], ["replace_subject"], 32, 1, 0)
 
 
 def _png(colour) -> bytes:

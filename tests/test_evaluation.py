@@ -198,7 +198,7 @@ def test_photo_edit_benchmark_prefers_the_correct_edit():
     from paco.data.edit_pairs import make_edit_pairs
     from paco.data.edits import photo_edits
 
-    edits = photo_edits(["cat", "coffee", "rocket"], ["greyscale", "mirror"], 32, 1, 0)
+    edits = photo_edits(["astronaut", "cat", "coffee", "rocket"], ["greyscale", "mirror"], 32, 2, 0)
     pairs, _ = make_edit_pairs(edits, seed=0, repeats=2)
     bench = E.photo_edit_benchmark(pairs, "test")
     test_items = sorted(edits.loc[edits["split"] == "test", "item_id"])

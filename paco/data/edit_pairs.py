@@ -15,6 +15,8 @@ wrong_edit     another operation's result on the same      No                  -
 wrong_subject  the same operation on another photograph    --                  No
 =============  =========================================  ==================  ==================
 
+Candidates come from the item's own split (a training pair never shows a held-out photograph).
+
 ``pf`` pairs carry the prompt-following question (template ``edit_pf``), ``sc`` pairs the
 semantic-consistency question (``edit_sc``), both with the item's instruction
 (:mod:`paco.judge.templates`). ``--`` pairs are not made: a wrong operation keeps the subject's
@@ -62,11 +64,11 @@ def _has_target(cell: Any) -> bool:
 
 def edit_candidates(edits: pd.DataFrame, seed: int) -> dict[str, dict[str, Any]]:
     """Per item id with a target: ``{"correct", "unchanged", "wrong_edit", "wrong_subject"}`` ->
-    an image cell (``wrong_*`` ``None`` when the table has no such item).
+    an image cell (``wrong_*`` ``None`` when the item's split has no such item).
 
     ``wrong_edit``: the target of another operation on the same photograph (``subject``);
     ``wrong_subject``: the target of the same operation on another photograph, else of any
-    operation other than ``replace_subject`` on another photograph.
+    operation other than ``replace_subject`` on another photograph; both from the item's split.
     """
     known = edits[[_has_target(c) for c in edits["target_image"]]]
     rows = known.to_dict("records")
@@ -75,14 +77,16 @@ def edit_candidates(edits: pd.DataFrame, seed: int) -> dict[str, dict[str, Any]]
         iid = str(r["item_id"])
         same_photo = sorted((o for o in rows if o["subject"] == r["subject"] and o["item_id"] != r["item_id"]),
                             key=lambda o: str(o["item_id"]))
-        same_op = sorted((o for o in rows if o["subject"] != r["subject"] and o["task_type"] == r["task_type"]
-                          and o["task_type"] != "replace_subject"), key=lambda o: str(o["item_id"]))
+        pool = [o for o in rows if o["split"] == r["split"] and o["subject"] != r["subject"]
+                and o["task_type"] != "replace_subject"]
+        same_op = sorted((o for o in pool if o["task_type"] == r["task_type"]), key=lambda o: str(o["item_id"]))
         if not same_op:
-            same_op = sorted((o for o in rows if o["subject"] != r["subject"] and o["task_type"] != "replace_subject"),
-                             key=lambda o: str(o["item_id"]))
+            same_op = sorted(pool, key=lambda o: str(o["item_id"]))
 
-        def pick(pool: list[dict[str, Any]], what: str) -> Any:
-            return pool[stable_seed(seed, "edit-pairs", iid, what) % len(pool)]["target_image"] if pool else None
+        def pick(candidates: list[dict[str, Any]], what: str) -> Any:
+            if not candidates:
+                return None
+            return candidates[stable_seed(seed, "edit-pairs", iid, what) % len(candidates)]["target_image"]
 
         out[iid] = {"correct": r["target_image"], "unchanged": r["input_image"],
                     "wrong_edit": pick(same_photo, "wrong_edit"), "wrong_subject": pick(same_op, "wrong_subject")}
@@ -137,4 +141,4 @@ def make_edit_pairs(edits: pd.DataFrame, *, seed: int = 0, repeats: int = 1) -> 
                     "image_a": a, "image_b": b, "label": label,
                 })
     table = pd.DataFrame(rows, columns=EDIT_PAIR_COLUMNS).sort_values("pair_id").reset_index(drop=True)
-    return table, int(len(edits) - len(candidates))
+    return table, int(sum(not _has_target(c) for c in edits["target_image"]))

@@ -108,8 +108,9 @@ def photo_edits(subjects: list[str], operations: list[str], size: int, test_phot
     ``colour_only`` operations skipped on grey-scale photographs.
 
     Raises:
-        ValueError: an unknown subject or operation, fewer than two subjects (``replace_subject``
-            needs another), or ``test_photos`` not in ``[1, len(subjects) - 1]``.
+        ValueError: an unknown subject or operation, fewer than two subjects, ``test_photos`` not in
+            ``[1, len(subjects) - 1]``, or ``replace_subject`` with a split of one photograph (the
+            replacement is another photograph of the item's split).
     """
     from paco.data.photos import GREYSCALE_SUBJECTS
 
@@ -120,6 +121,9 @@ def photo_edits(subjects: list[str], operations: list[str], size: int, test_phot
     if len(subjects) < 2 or not 1 <= test_photos < len(subjects):
         raise ValueError(f"edits.photos: need >= 2 subjects and 1 <= test_photos < {len(subjects)}, "
                          f"got {len(subjects)} subjects and test_photos {test_photos}")
+    if "replace_subject" in operations and min(test_photos, len(subjects) - test_photos) < 2:
+        raise ValueError(f"edits.photos: replace_subject takes its replacement from the item's own split, so "
+                         f"each split needs >= 2 photographs; got test_photos {test_photos} of {len(subjects)}")
     ordered = sorted(subjects)
     rng = np.random.default_rng(stable_seed(seed, "edits-split"))
     test = set(rng.choice(ordered, size=test_photos, replace=False).tolist())
@@ -130,9 +134,10 @@ def photo_edits(subjects: list[str], operations: list[str], size: int, test_phot
             op = OPERATIONS[name]
             if op.colour_only and subject in GREYSCALE_SUBJECTS:
                 continue
-            others = [o for o in ordered if o != subject]
-            other = others[stable_seed(seed, "edits-other", subject) % len(others)]
-            edited = op.apply(views[subject], views[other])
+            # the replacement comes from the same split: a training item never shows a held-out photograph
+            others = [o for o in ordered if o != subject and (o in test) == (subject in test)]
+            other = others[stable_seed(seed, "edits-other", subject) % len(others)] if others else subject
+            edited = op.apply(views[subject], views[other])  # only replace_subject uses ``other``
             rows.append({
                 "item_id": f"{subject}-{name}", "split": "test" if subject in test else "train",
                 "source": "photos", "subject": subject, "task_type": name,
