@@ -288,6 +288,8 @@ def test_resume_equals_uninterrupted(baseline, tiny_model_dirs, sft_path, tmp_pa
     # ... and finish from the epoch-end checkpoint 12.
     m = train_reward(cfg, sft_path, tiny_model_dirs["judge_base"], **kw)
     assert m["resumed_from"] == "step-0000012" and m["steps_this_run"] == 24
+    # the LoRA's targets as peft holds them: the language-model regex of lora_config
+    assert isinstance(m["lora_target_modules"], str) and "q_proj" in m["lora_target_modules"]
     a, b = _adapter_tensors(baseline["out"] / "adapter"), _adapter_tensors(tmp_path / "adapter")
     assert a.keys() == b.keys()
     for k in a:

@@ -898,7 +898,8 @@ def summarise(run: RewardRun, state: RewardState, *, loop_seconds: float, wall: 
         "train_pairs_available": run.train_available,
         "test_pairs": len(run.test_rows),
         "parameters": run.counts,
-        "lora_target_modules": sorted(run.accelerator.unwrap_model(run.model).peft_config["default"].target_modules),
+        # peft keeps the regex of lora_config as a string (sorting it gave its characters)
+        "lora_target_modules": str(run.accelerator.unwrap_model(run.model).peft_config["default"].target_modules),
         "processes": run.world,
         "torch_threads_per_process": torch.get_num_threads(),
         "device": run.accelerator.device.type,
