@@ -112,15 +112,17 @@ def test_grpo_learns_and_sample_compares_with_and_without_the_lora(dvc_repo):
     consistency, CLIP-T and PickScore) of the last epochs exceeds that of the first epochs
     (one-sided Welch t-test on the per-sample rewards of those epochs, 440 vs 440).
 
-    Measured with the committed params (the judge trained on T2IS and editing pairs; the same
-    figures in two venvs): +0.032 (p 9e-14). Before the editing pairs: +0.0113 / +0.0127
-    (p 0.0025 / 0.0008), and the same config with GRPO seeds 1 / 2 gave +0.002 (n.s.) / +0.013
-    (p 8e-4), so the margin is a property of the deterministic default run, not of every seed."""
+    Measured with the committed params: +0.0097 (p 0.008) with the judge trained on T2IS and
+    editing pairs whose candidates stay in their split; +0.032 (p 9e-14) with the earlier
+    cross-split editing pairs; +0.0113 / +0.0127 (p 0.0025 / 0.0008) before any editing pairs,
+    and that config with GRPO seeds 1 / 2 gave +0.002 (n.s.) / +0.013 (p 8e-4). The judge moves
+    the margin, so the bound is p < 0.05: the figure varies with the judge and the machine's
+    floating point, not only with the GRPO code."""
     repo, _ = dvc_repo
     m = report(repo, "grpo/t2is")
     sig = m["learning_signal"]
     assert m["first_update_ratio_max_abs_deviation"] == 0.0
-    assert sig["improvement"] > GRPO_MARGIN and sig["p_value"] < 0.01, sig
+    assert sig["improvement"] > GRPO_MARGIN and sig["p_value"] < 0.05, sig
     train = pd.read_csv(repo / "data/grpo/t2is/plots/train.csv")
     assert len(train) == m["epochs"] and train["reward"].notna().all()
     assert (repo / "data/grpo/t2is/lora/pytorch_lora_weights.safetensors").is_file()
@@ -142,11 +144,17 @@ def test_editing_subtasks_train_and_sample(dvc_repo, subtask):
     the served judge (ratio exactly 1 on each epoch's first update), a LoRA the family's pipeline
     loads, and final edits of the held-out items with and without it.
 
-    Learning signals, measured with the committed params (identical in two venvs): Kontext's
-    training reward +0.037 (last 4 vs first 4 of 12 epochs, p 3e-9) and its final edits
-    0.207 -> 0.216 with the LoRA (28 paired, p 0.016): asserted. Qwen-Image-Edit's +0.013
-    (6 epochs, p 0.31) and final +0.001 (n.s.) are not: the tiny judge does not learn the
-    prompt-following question yet (issue 10 note)."""
+    Learning signals, measured with the committed params (one run on 2 CPU cores):
+
+    * Kontext (24 epochs): training reward 0.198 -> 0.268 (last 5 vs first 5 epochs, p < 1e-10),
+      final edits 0.246 -> 0.338 with the LoRA (56 paired, 86 % improved, p 5e-11). With 12
+      epochs the reward had only begun to rise (+0.012, p 0.046; final p 0.23).
+    * Qwen-Image-Edit (16 epochs): training reward 0.417 -> 0.443 (p 0.043; per-sample Welch, the
+      items' spread dominates), final edits 0.404 -> 0.432 (28 paired, 93 % improved, p 2e-5).
+
+    The judge's editing reward is mostly its consistency question (it does not learn prompt
+    following on held-out photographs, issue 10 note), so the policies learn to stay consistent
+    with the input."""
     repo, _ = dvc_repo
     params = yaml.safe_load((repo / "params.yaml").read_text())
     cfg = params["grpo"][subtask]
@@ -164,11 +172,13 @@ def test_editing_subtasks_train_and_sample(dvc_repo, subtask):
     assert {p.name for p in (repo / f"data/final_samples/{subtask}/sheets").iterdir()} == {
         "base.png", "lora.png", "compare.png"}
     assert report(repo, f"grpo/{subtask}")["run"]["peak_rss_mb"] < 6144
+    sig, gain = m["learning_signal"], s["rewards"]["consistency_for_editing"]
     if subtask == "kontext_editing":
-        sig = m["learning_signal"]
-        assert sig["improvement"] > 0.01 and sig["p_value"] < 0.01, sig
-        gain = s["rewards"]["consistency_for_editing"]
-        assert gain["lora_minus_base"] > 0 and gain["paired_t_p_value"] < 0.05, gain
+        assert sig["improvement"] > 0.03 and sig["p_value"] < 1e-4, sig
+        assert gain["lora_minus_base"] > 0.03 and gain["paired_t_p_value"] < 1e-4, gain
+    else:
+        assert sig["improvement"] > 0.01 and sig["p_value"] < 0.1, sig
+        assert gain["lora_minus_base"] > 0.01 and gain["paired_t_p_value"] < 1e-3, gain
 
 
 def test_the_editing_benchmark_scores_every_judge(dvc_repo):
