@@ -1,7 +1,9 @@
 """Stage ``labels``: chain-of-thought SFT targets for every pair -> ``sft.parquet``.
 
 The pairs: the T2IS pairs (``pairs.parquet`` with their panels) and the editing pairs
-(``edit_pairs.parquet``, each with its own question).
+(``edit_pairs.parquet``, each with its own question). With ``labels.sft_import.enabled``, published
+SFT sets in LLaMA-Factory's layout (PaCo-Dataset's ``sharegpt_editing_cot``:
+:mod:`paco.judge.sft_import`) join the table as they are.
 
 A teacher (``labels.teacher.backend``: ``template`` offline measurements, ``openai`` any
 OpenAI-compatible endpoint, ``local`` a transformers VLM) justifies each pair's known label in
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -38,6 +41,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=Path, required=True, help="prompts.parquet (themes)")
     p.add_argument("--progress", type=Path, required=True, help="persisted per-chunk results (resume)")
     p.add_argument("--edit-pairs", type=Path, required=True, help="edit_pairs.parquet (pairs stage; may be empty)")
+    p.add_argument("--sft-import", type=Path, required=True,
+                   help="LLaMA-Factory dataset_dir of published SFT sets (read with labels.sft_import.enabled)")
     p.add_argument("--out", type=Path, required=True, help="sft.parquet to write")
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
@@ -53,6 +58,10 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     panels = read_parquet(args.panels, required=["panel_id", "image"])
     prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
     identity = stage_identity("labels", args.params, params=params, args=args)
+    # the teacher's chunks depend on the pairs, not on the imported sets (labels.sft_import is
+    # continuable): an import change keeps the labelling progress
+    identity = replace(identity, parts={k: v for k, v in identity.parts.items()
+                                        if k != f"dep:{cfg.sft_import.dataset_dir}"})
     from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
 
     edit_pairs = read_parquet(args.edit_pairs, required=EDIT_PAIR_COLUMNS)
@@ -80,8 +89,19 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         args.metrics = None  # the main process writes the table and the metrics
         return StageOutput({})
     sft = L.assemble_sft(table, teacher, args.progress, chunk_size=cfg.chunk_size)
+    imported = None
+    if cfg.sft_import.enabled:
+        from paco.judge.sft_import import import_sft
+
+        imp = cfg.sft_import
+        imported = import_sft(args.sft_import, imp.datasets, strict=imp.strict, max_pixels=imp.max_pixels)
+        log.info("imported %s from %s (%d rows skipped)", imported.rows, args.sft_import, len(imported.skipped))
+        sft = pd.concat([sft, imported.table], ignore_index=True).sort_values("pair_id", ignore_index=True)
     write_parquet(args.out, sft, image_columns=["image_a", "image_b"])
     metrics = L.summarise(sft)
+    metrics["imported"] = imported.rows if imported else {}
+    metrics["import_skipped"] = len(imported.skipped) if imported else 0
+    metrics["import_skipped_rows"] = imported.skipped[:50] if imported else []
     metrics["resumed_chunks"] = resumed
     metrics["discarded_chunks"] = discarded  # corrupt persisted chunks, labelled again
     log.info("labelled %d pairs: %d ok, %d failed", metrics["pairs"], metrics["ok"], metrics["failed"])

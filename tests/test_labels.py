@@ -183,11 +183,12 @@ def _stage_inputs(tmp: Path) -> dict[str, Path]:
     return paths
 
 
-def _launch_labels(processes: int, tmp: Path, paths: dict[str, Path], out: Path) -> str:
+def _launch_labels(processes: int, tmp: Path, paths: dict[str, Path], out: Path, params: str = "params.yaml") -> str:
     cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", str(processes),
-           "-m", "stages.labels", "--params", str(tmp / "params.yaml"), "--pairs", str(paths["pairs"]),
+           "-m", "stages.labels", "--params", str(tmp / params), "--pairs", str(paths["pairs"]),
            "--panels", str(paths["panels"]), "--prompts", str(paths["prompts"]),
-           "--edit-pairs", str(paths["edit_pairs"]), "--progress", str(out / "progress"),
+           "--edit-pairs", str(paths["edit_pairs"]), "--sft-import", str(tmp / "llamafactory"),
+           "--progress", str(out / "progress"),
            "--out", str(out / "sft.parquet"), "--metrics", str(out / "metrics.json")]
     env = {**os.environ, "PACO_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)

@@ -316,6 +316,26 @@ class TeacherParams(_Section):
     local: LocalTeacherParams = Field(default_factory=LocalTeacherParams)
 
 
+class SFTImportParams(_Section):
+    """Published judge SFT sets in LLaMA-Factory's layout (``paco.judge.sft_import``): PaCo-Dataset's
+    ``sharegpt_editing_cot`` at paper scale. Their rows join ``sft.parquet`` as they are (no teacher)."""
+
+    enabled: bool = False
+    dataset_dir: str = Field("data/raw/paco_dataset", description="the folder holding dataset_info.json")
+    datasets: dict[str, Literal["t2is", "edit_pf", "edit_sc"]] = Field(
+        default_factory=lambda: {"sharegpt_editing_cot": "edit_sc"},
+        description="dataset name (in dataset_info.json) -> the question its rows ask",
+    )
+    strict: bool = Field(True, description="false: skip (and report) malformed rows")
+    max_pixels: int = Field(16_777_216, ge=1, description="refuse larger images")
+
+    @model_validator(mode="after")
+    def _some_dataset(self) -> "SFTImportParams":
+        if self.enabled and not self.datasets:
+            raise ValueError("labels.sft_import.enabled needs at least one dataset")
+        return self
+
+
 class LabelsParams(_Section):
     seed: int = 0
     instruction: Literal["theme", "rank"] = Field(
@@ -323,6 +343,7 @@ class LabelsParams(_Section):
     )
     chunk_size: int = Field(64, ge=1, description="pairs per teacher call and per persisted chunk")
     teacher: TeacherParams = Field(default_factory=TeacherParams)
+    sft_import: SFTImportParams = Field(default_factory=SFTImportParams)
 
 
 # --------------------------------------------------------------------------------------------

@@ -225,13 +225,14 @@ def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: st
     m = _member(member, raw)
     tree = params.model_dump(mode="json", by_alias=True)
     root = Path(root)
+    # paths resolve against the validated params, so a key left to its default resolves too
     actual: dict[str, Path] = {}
     for flag, value in m.stage.args:
         attr = flag.lstrip("-").replace("-", "_")
         if args is not None and getattr(args, attr, None) is not None:
-            actual[m.resolve(value, raw)] = Path(getattr(args, attr))
+            actual[m.resolve(value, tree)] = Path(getattr(args, attr))
     parts: dict[str, str] = {}
-    for path in m.deps(raw):
+    for path in m.deps(tree):
         parts[f"dep:{path}"] = path_digest(actual.get(path, root / path))
     for code in m.stage.code:
         parts[f"code:{code}"] = path_digest(root / code)

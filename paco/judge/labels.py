@@ -285,5 +285,5 @@ def summarise(sft: pd.DataFrame) -> dict[str, Any]:
         "yes_fraction": float(ok["label"].mean()) if len(ok) else None,
         "reasons_per_target": float(ok["reasons"].map(len).mean()) if len(ok) else None,
         "response_chars": float(ok["response"].str.len().mean()) if len(ok) else None,
-        "teacher": sft["teacher"].iloc[0] if len(sft) else None,
+        "teacher": next((t for t in sft["teacher"] if not str(t).startswith("import:")), None),
     }
