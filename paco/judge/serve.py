@@ -45,11 +45,13 @@ What it does with them depends on the mode:
   pixel rows) are concatenated along the batch and scored in one forward pass, each other
   shape in its own; a request whose two images have different grids (e.g. 32x32 and 32x31 px
   panels of a grid cut at its separator bands) is always scored alone, because the vision
-  tower's result for it changes inside any batch. Nothing is padded, and every row goes through the same per-row computation
-  whatever the batch, so a request's log-probs are bit-identical whether it is scored alone or
-  with any others (on CPU: checked for batches of 1 to 32 with 1 and 2 torch threads, and
-  tests/test_serve.py; GRPO's concurrent requests, the pairs of one grid with one theme, mostly
-  share a shape).
+  tower's result for it changes inside any batch. Nothing is padded, the vision tower runs per
+  request (:meth:`paco.judge.model.Judge.logits`: CPU GEMM kernels round few-row products
+  differently, and a 64 px panel has only 8 merged tokens), and every row goes through the same
+  per-row computation whatever the batch, so a request's log-probs are bit-identical whether it
+  is scored alone or with any others (on CPU: checked for batches of 1 to 32 with 1 and 2 torch
+  threads, and tests/test_serve.py; GRPO's concurrent requests, the pairs of one grid with one
+  theme, mostly share a shape).
 * ``single``: every request is its own forward pass, without waiting ``max_wait_ms``
   (bit-invariant on any backend, including CUDA, where cuBLAS may choose a different kernel per
   batch size; slower).
