@@ -204,8 +204,10 @@ def failed_runs(cluster, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, 
         for profile in ("slurm", "sbatch"):
             repo = _clone(tmp_path_factory.mktemp(f"fail-{how}-{profile}"), "repo")
             breaks(repo)
+            # a failed job's outputs are waited for latency-wait s, in the job and in Snakemake
+            # (the profiles' 30 s is for a cluster's shared filesystem; here it is local)
             args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
-                    f"workflow/profiles/{profile}"]
+                    f"workflow/profiles/{profile}", "--latency-wait", "3"]
             started[profile, how] = (repo, *_start(args, repo))
         for key, (repo, proc, t0) in started.items():
             code, out, seconds = _finish(proc, t0, f"{key}: a failed job left Snakemake waiting", 300)
