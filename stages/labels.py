@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -57,11 +56,9 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     pairs = read_parquet(args.pairs, required=["pair_id", "instance_id", "prompt_id", "split", "panel_a", "panel_b", "label"])
     panels = read_parquet(args.panels, required=["panel_id", "image"])
     prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
+    # labels.sft_import is continuable (its folder is not in the identity either): the imported
+    # sets join after the teacher's chunks, so an import change keeps the labelling progress
     identity = stage_identity("labels", args.params, params=params, args=args)
-    # the teacher's chunks depend on the pairs, not on the imported sets (labels.sft_import is
-    # continuable): an import change keeps the labelling progress
-    identity = replace(identity, parts={k: v for k, v in identity.parts.items()
-                                        if k != f"dep:{cfg.sft_import.dataset_dir}"})
     from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
 
     edit_pairs = read_parquet(args.edit_pairs, required=EDIT_PAIR_COLUMNS)

@@ -183,9 +183,9 @@ def _stage_inputs(tmp: Path) -> dict[str, Path]:
     return paths
 
 
-def _launch_labels(processes: int, tmp: Path, paths: dict[str, Path], out: Path, params: str = "params.yaml") -> str:
+def _launch_labels(processes: int, tmp: Path, paths: dict[str, Path], out: Path) -> str:
     cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", str(processes),
-           "-m", "stages.labels", "--params", str(tmp / params), "--pairs", str(paths["pairs"]),
+           "-m", "stages.labels", "--params", str(tmp / "params.yaml"), "--pairs", str(paths["pairs"]),
            "--panels", str(paths["panels"]), "--prompts", str(paths["prompts"]),
            "--edit-pairs", str(paths["edit_pairs"]), "--sft-import", str(tmp / "llamafactory"),
            "--progress", str(out / "progress"),

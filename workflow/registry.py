@@ -482,7 +482,7 @@ STAGES: tuple[Stage, ...] = (
               _d("pairs", "edit_pairs.parquet"),
               Dep("${labels.sft_import.dataset_dir}", "labels.sft_import.enabled", (True,))),
         params=("labels",),
-        # the teacher's persisted chunks do not depend on the imported sets (stages/labels.py)
+        # the teacher's persisted chunks do not depend on the imported sets (nor on their folder)
         continuable=("labels.sft_import",),
         outs=(_d("labels", "sft.parquet"),),
         persist=(_d("labels", "progress"),),

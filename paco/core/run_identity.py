@@ -8,7 +8,9 @@ would otherwise resume work done under other inputs. So every such stage compute
 from exactly the declarations that make DVC rerun it:
 
 * ``dep:<path>``: sha256 of each data dependency the stage reads under its params (a file's
-  bytes; a directory's sorted relative file names and bytes; ``absent`` if it does not exist);
+  bytes; a directory's sorted relative file names and bytes; ``absent`` if it does not exist),
+  except one read only under a ``continuable`` key (below: ``labels.sft_import``'s folder, which
+  joins the table after the persisted teacher chunks);
 * ``code:<path>``: sha256 of each declared code file (the stage's import closure);
 * ``params:<key>``: sha256 of each declared params section after validation (defaults filled in,
   so writing a default explicitly changes nothing), *minus* the keys the stage declares as
@@ -231,9 +233,15 @@ def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: st
         attr = flag.lstrip("-").replace("-", "_")
         if args is not None and getattr(args, attr, None) is not None:
             actual[m.resolve(value, tree)] = Path(getattr(args, attr))
+    from workflow.registry import Dep
+
+    continuable = [m.resolve(k, {}) for k in m.stage.continuable]
+    gated = {m.resolve(d.path, tree) for d in m.stage.deps
+             if isinstance(d, Dep) and any(d.key == c or d.key.startswith(c + ".") for c in continuable)}
     parts: dict[str, str] = {}
     for path in m.deps(tree):
-        parts[f"dep:{path}"] = path_digest(actual.get(path, root / path))
+        if path not in gated:
+            parts[f"dep:{path}"] = path_digest(actual.get(path, root / path))
     for code in m.stage.code:
         parts[f"code:{code}"] = path_digest(root / code)
     sections = {m.resolve(k, {}): _get(tree, m.resolve(k, {})) for k in m.stage.params}

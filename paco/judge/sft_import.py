@@ -61,7 +61,7 @@ class SFTImport:
 
     table: pd.DataFrame
     rows: dict[str, int] = field(default_factory=dict)     # dataset -> rows imported
-    skipped: list[dict[str, str]] = field(default_factory=list)  # {"where", "reason"}
+    skipped: list[dict[str, str]] = field(default_factory=list)  # {"dataset", "where", "reason"}
 
 
 def _dataset_info(dataset_dir: Path) -> dict[str, Any]:
@@ -140,9 +140,9 @@ def _listish(value: Any) -> list[Any] | None:
 
 def _turns(where: str, row: Mapping[str, Any], entry: Mapping[str, Any]) -> tuple[str, str]:
     """(user text, assistant text) of a row."""
-    columns = {**(_ALPACA_COLUMNS if entry.get("formatting", "alpaca") == "alpaca" else _SHAREGPT_COLUMNS),
-               **(entry.get("columns") or {})}
-    if entry.get("formatting", "alpaca") == "alpaca":
+    alpaca = entry.get("formatting", "alpaca") == "alpaca"  # LLaMA-Factory's default formatting
+    columns = {**(_ALPACA_COLUMNS if alpaca else _SHAREGPT_COLUMNS), **(entry.get("columns") or {})}
+    if alpaca:
         prompt, query, response = (row.get(columns[k]) for k in ("prompt", "query", "response"))
         if not isinstance(prompt, str) or not isinstance(response, str):
             raise SFTImportError(f"{where}: alpaca row needs string {columns['prompt']!r} and {columns['response']!r}")
