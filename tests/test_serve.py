@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -273,9 +274,13 @@ def test_unreachable_judge_fails_after_bounded_retries(dead_url):
     assert url in msg and NAME in msg and "no HTTP response" in msg and "3 attempt(s)" in msg
 
 
-def test_local_server_process_lifecycle(tiny_model_dirs, tmp_path):
+def test_local_server_process_lifecycle(tiny_model_dirs, tmp_path, monkeypatch):
     log = tmp_path / "server.log"
-    with LocalJudgeServer(tiny_model_dirs["judge_base"], NAME, log_path=log, threads=1, max_logprobs=VOCAB) as url:
+    monkeypatch.setenv("OMP_DYNAMIC", "true")  # a user's setting must not reach the server's torch
+    server = LocalJudgeServer(tiny_model_dirs["judge_base"], NAME, log_path=log, threads=1, max_logprobs=VOCAB)
+    with server as url:
+        environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{server.proc.pid}/environ").read_text().split("\0") if "=" in kv)
+        assert environ["OMP_DYNAMIC"] == "false" and environ["MKL_DYNAMIC"] == "false"
         client = JudgeClient(url, NAME, retries=0, top_logprobs=VOCAB)
         a, b = _images(2)
         assert 0.0 <= client.score([(a, b, judge_instruction(None))])[0] <= 1.0

@@ -67,3 +67,33 @@ def test_a_bug_is_not_hidden(tmp_path, params):
 
     with pytest.raises(OSError):
         _run(tmp_path, body)
+
+
+_DYNAMIC = """
+import ctypes, sys
+from pathlib import Path
+if sys.argv[1] == "stage":
+    import stages  # noqa: F401  (what `python -m stages.<name>` imports first)
+import torch
+gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+print(ctypes.CDLL(str(gomp)).omp_get_dynamic() if gomp.is_file() else "no-libgomp")
+"""
+
+
+@pytest.mark.parametrize("entry,expected", [("stage", "0"), ("bare", "1")])
+def test_stage_processes_turn_openmp_dynamic_team_sizes_off(entry, expected):
+    """OMP_DYNAMIC=true (libgomp then sizes each parallel region from the load average) must not
+    reach a stage's torch: its bytes would depend on the machine's load. The bare interpreter
+    shows that the variable does take effect without the stages package."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_DYNAMIC": "true", "MKL_DYNAMIC": "true"}
+    out = subprocess.run([sys.executable, "-c", _DYNAMIC, entry], env=env, capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout.split()[-1]
+    if out == "no-libgomp":
+        pytest.skip("this torch build has no bundled libgomp")
+    assert out == expected
+

@@ -52,6 +52,15 @@ def seed_everything(seed: int) -> None:
         torch.manual_seed(seed)
 
 
+# A stage's floating-point results depend on how many threads each OpenMP region gets (CPU
+# reductions are split per thread). With dynamic adjustment on, libgomp sizes each region from the
+# machine's load average (cores minus load) and MKL picks its own count, so the same run gives
+# different bytes on a busy machine: with ``OMP_DYNAMIC=true`` and a loaded CPU, reward_train's
+# loss changes in its 3rd step (measured, torch 2.13). Stage processes and the judge server run
+# with these variables, set before torch is imported (libgomp reads them when it is loaded).
+FIXED_THREAD_ENV = {"OMP_DYNAMIC": "false", "MKL_DYNAMIC": "false"}
+
+
 def cpu_threads_per_process(local_processes: int) -> int:
     """Torch threads per process on CPU: ``$PACO_NUM_THREADS`` if set, else the cores this
     process may run on (``sched_getaffinity``, which honours cgroups/SLURM binding) divided by
