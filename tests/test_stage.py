@@ -42,9 +42,15 @@ def test_the_report_says_how_the_stage_was_launched(tmp_path, params, monkeypatc
     monkeypatch.setenv("SLURM_JOB_ID", "417")
     monkeypatch.setenv("SLURMD_NODENAME", "gpu07")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
+    monkeypatch.setenv("PACO_NUM_THREADS", "3")
+    monkeypatch.setenv("OMP_DYNAMIC", "false")
+    import torch  # a stage that imported torch reports its thread count
+
     assert _run(tmp_path, lambda a, p: {"n": 1}) == 0
     run_info = json.loads((tmp_path / "out" / "report.json").read_text())["run"]
     assert run_info["processes"] == 2
+    assert run_info["threads"]["torch"] == torch.get_num_threads()
+    assert run_info["threads"]["PACO_NUM_THREADS"] == "3" and run_info["threads"]["OMP_DYNAMIC"] == "false"
     assert run_info["slurm"] == {"job_id": "417", "node": "gpu07", "cpus_per_task": 8}
 
 

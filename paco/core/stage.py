@@ -92,8 +92,14 @@ def launch_info() -> dict[str, Any]:
     """How this process was launched, for ``report.json``'s ``run``: ``processes`` (the launcher's
     ``WORLD_SIZE``, 1 without one) and, inside a SLURM job, ``slurm`` with the job id, the node
     and the CPUs the job was given (``SLURM_JOB_ID``, ``SLURMD_NODENAME``,
-    ``SLURM_CPUS_PER_TASK``; the CPU count is ``None`` when the job did not ask per task)."""
+    ``SLURM_CPUS_PER_TASK``; the CPU count is ``None`` when the job did not ask per task);
+    ``threads``: torch's intra-op threads in this process (``None`` if the stage never imported
+    torch) and the thread variables a stage's bytes depend on (``PACO_NUM_THREADS``,
+    ``OMP_NUM_THREADS``, ``OMP_DYNAMIC``, ``MKL_DYNAMIC``; ``None`` when unset)."""
     info: dict[str, Any] = {"processes": int(os.environ.get("WORLD_SIZE", "1"))}
+    torch = sys.modules.get("torch")
+    info["threads"] = {"torch": torch.get_num_threads() if torch is not None else None,
+                       **{k: os.environ.get(k) for k in ("PACO_NUM_THREADS", "OMP_NUM_THREADS", *FIXED_THREAD_ENV)}}
     if "SLURM_JOB_ID" in os.environ:
         cpus = os.environ.get("SLURM_CPUS_PER_TASK")
         info["slurm"] = {"job_id": os.environ["SLURM_JOB_ID"], "node": os.environ.get("SLURMD_NODENAME"),
