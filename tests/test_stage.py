@@ -1,11 +1,16 @@
 """The stage runner (paco.core.stage.run): headline metrics and report written apart, and expected
-failures (params, artifacts, a full disk) as one clear line with exit code 2."""
+failures (params, artifacts, a full disk) as one clear line with exit code 2; the thread
+environment every stage process runs with."""
 
 from __future__ import annotations
 
 import errno
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -91,15 +96,9 @@ def test_stage_processes_turn_openmp_dynamic_team_sizes_off(entry, expected):
     """OMP_DYNAMIC=true (libgomp then sizes each parallel region from the load average) must not
     reach a stage's torch: its bytes would depend on the machine's load. The bare interpreter
     shows that the variable does take effect without the stages package."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     env = {**os.environ, "OMP_DYNAMIC": "true", "MKL_DYNAMIC": "true"}
     out = subprocess.run([sys.executable, "-c", _DYNAMIC, entry], env=env, capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout.split()[-1]
     if out == "no-libgomp":
         pytest.skip("this torch build has no bundled libgomp")
     assert out == expected
-
