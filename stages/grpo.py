@@ -80,10 +80,11 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         args.metrics = None
     else:
         sig = report["learning_signal"]
-        log.info("grpo@%s: train reward %.4f (first %d epochs) -> %.4f (last %d), p=%s; eval reward %.4f -> %.4f",
+        log.info("grpo@%s: train reward %.4f (first %d epochs) -> %.4f (last %d), higher on %s of %s prompts, "
+                 "paired p=%s; eval reward %.4f -> %.4f",
                  args.subtask, sig["first_epochs_reward"], sig["window_epochs"], sig["last_epochs_reward"],
-                 sig["window_epochs"], sig.get("p_value"), report["eval_first"].get("reward", float("nan")),
-                 report["eval_final"].get("reward", float("nan")))
+                 sig["window_epochs"], sig.get("prompts_improved"), sig.get("prompts_paired"), sig.get("p_value"),
+                 report["eval_first"].get("reward", float("nan")), report["eval_final"].get("reward", float("nan")))
     return StageOutput(out["metrics"], report)
 
 
