@@ -155,10 +155,11 @@ def test_editing_subtasks_train_and_sample(dvc_repo, subtask):
     * Qwen-Image-Edit (8 epochs): training reward 0.491 -> 0.501 (2 vs 2 epochs, +0.010, higher
       on 25 of 28 items, p 9e-6; the unpaired Welch test on the samples, p 0.36, drowns it in
       the spread between items, std 0.28). Asserted. It does not carry to the held-out
-      photographs: evaluation 0.329 -> 0.325, final edits -0.004; 16 epochs (+0.025 in
-      training, all 28 items higher, p 6e-9) gave final edits no better (-0.005); lr 0.06 or
-      0.1, or evaluating at the 128 px training resolution, did not help either. The final
-      edits' gain is not asserted (the issue 10 note).
+      photographs at 192 px: evaluation 0.329 -> 0.325, final edits -0.004. The tiny policy's
+      LoRA does not carry across resolutions: 16 epochs (+0.025 in training, p 6e-9) give
+      final edits +0.013 at the 128 px training resolution (p 0.002) but -0.005 at 192 px;
+      8 epochs give +0.000 even at 128 px; lr 0.06 / 0.1 or 4 gradient steps per epoch did not
+      help. The final edits' gain is not asserted (the issue 10 note).
 
     The judge's editing reward is mostly its consistency question (it does not learn prompt
     following, issue 10 note), so the policies learn to stay consistent with the input."""
