@@ -157,7 +157,7 @@ def test_editing_subtasks_train_and_sample(dvc_repo, subtask):
       the spread between items, std 0.28). Asserted. It does not carry to the held-out
       photographs at 192 px: evaluation 0.329 -> 0.325, final edits -0.004. The tiny policy's
       LoRA does not carry across resolutions: 16 epochs (+0.025 in training, p 6e-9) give
-      final edits +0.013 at the 128 px training resolution (p 0.002) but -0.005 at 192 px;
+      final edits +0.013 at the 128 px training resolution (two-sided p 0.002) but -0.005 at 192 px;
       8 epochs give +0.000 even at 128 px; lr 0.06 / 0.1 or 4 gradient steps per epoch did not
       help. The final edits' gain is not asserted (the issue 10 note).
 
