@@ -19,6 +19,8 @@ import pandas as pd
 import pytest
 import yaml
 
+from paco.grpo.trainer import epoch_prompts
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -147,19 +149,21 @@ def test_editing_subtasks_train_and_sample(dvc_repo, subtask):
     loads, and final edits of the held-out items with and without it.
 
     Learning signals, measured with the committed params (one run on 2 CPU cores; training
-    reward: first vs last epochs, one-sided paired t-test over the 28 train items):
+    reward: first 5 vs last 5 of 16 epochs, one-sided paired t-test over the train items drawn
+    in both windows):
 
-    * Kontext (16 epochs): training reward 0.223 -> 0.284 (5 vs 5 epochs, +0.061, higher on all
-      28 items, p 3e-15), evaluation 0.276 -> 0.319 (192 px), final edits +0.043 with the LoRA
-      (56 paired, p 2e-7). Asserted.
-    * Qwen-Image-Edit (8 epochs): training reward 0.491 -> 0.501 (2 vs 2 epochs, +0.010, higher
-      on 25 of 28 items, p 9e-6; the unpaired Welch test on the samples, p 0.36, drowns it in
-      the spread between items, std 0.28). Asserted. It does not carry to the held-out
-      photographs at 192 px: evaluation 0.329 -> 0.325, final edits -0.004. The tiny policy's
-      LoRA does not carry across resolutions: 16 epochs (+0.025 in training, p 6e-9) give
-      final edits +0.013 at the 128 px training resolution (two-sided p 0.002) but -0.005 at 192 px;
-      8 epochs give +0.000 even at 128 px; lr 0.06 / 0.1 or 4 gradient steps per epoch did not
-      help. The final edits' gain is not asserted (the issue 10 note).
+    * Kontext (28 items per epoch): training reward 0.223 -> 0.284 (+0.061, higher on all 28
+      items, p 3e-15), evaluation 0.276 -> 0.319 (192 px), final edits +0.043 with the LoRA
+      (56 paired, p 2e-7).
+    * Qwen-Image-Edit (14 of the 28 items per epoch, the cost of 8 epochs of 28): training
+      reward 0.496 -> 0.520 (+0.025, higher on 21 of 27 items, p 2e-5; the unpaired Welch test
+      on the samples, p 0.16, drowns it in the spread between items, std 0.28); GRPO seed 1:
+      +0.071. With 8 epochs of all 28 items (16 optimizer steps, not 32): +0.010. Asserted.
+      The held-out edits at 192 px do not follow: evaluation 0.329 -> 0.330, final edits
+      +0.0017 (28 paired, two-sided p 0.04), but -0.008 with GRPO seed 1 (56 paired, 5 % better);
+      at the 128 px training resolution the same LoRAs' final edits gain (+0.013 / +0.004, 56
+      paired, p 4e-6 / 0.03). The tiny Qwen-Image-Edit's LoRA does not carry across resolutions;
+      its final edits are reported, not asserted (the issue 10 note).
 
     The judge's editing reward is mostly its consistency question (it does not learn prompt
     following, issue 10 note), so the policies learn to stay consistent with the input."""
@@ -181,12 +185,16 @@ def test_editing_subtasks_train_and_sample(dvc_repo, subtask):
         "base.png", "lora.png", "compare.png"}
     assert report(repo, f"grpo/{subtask}")["run"]["peak_rss_mb"] < 6144
     sig, gain = m["learning_signal"], s["rewards"]["consistency_for_editing"]
-    assert sig["prompts_paired"] == 28, sig
+    # the items drawn in both windows of the learning signal (the trainer's own draw)
+    items = [str(i) for i in pd.read_parquet(repo / "data/edits/edits.parquet").query("split == 'train'")["item_id"]]
+    w = sig["window_epochs"]
+    drawn = [set(epoch_prompts(items, cfg["prompts_per_epoch"], cfg["seed"], e)) for e in range(cfg["epochs"])]
+    assert sig["prompts_paired"] == len(set().union(*drawn[:w]) & set().union(*drawn[-w:])), sig
     if subtask == "kontext_editing":
         assert sig["improvement"] > 0.03 and sig["p_value"] < 1e-4, sig
         assert gain["lora_minus_base"] > 0.02 and gain["paired_t_p_value"] < 1e-3, gain
-    else:  # the training reward rises; the final edits' figures are reported (docstring); the LoRA changes them
-        assert sig["improvement"] > 0.005 and sig["p_value"] < 1e-3, sig
+    else:  # the final edits' figures are reported (docstring); the LoRA changes them
+        assert sig["improvement"] > 0.015 and sig["p_value"] < 1e-3, sig
         assert np.isfinite(gain["lora_minus_base"])
         by = samples.set_index(["prompt_id", "seed", "variant"])["image"]
         changed = [by[(p, s_, "base")]["bytes"] != by[(p, s_, "lora")]["bytes"]
