@@ -112,6 +112,12 @@ def epoch_prompts(prompt_ids: Sequence[str], k: int, seed: int, epoch: int) -> l
     return [ids[i] for i in rng.choice(len(ids), size=k, replace=False)]
 
 
+def trajectory_prompts(chosen: Sequence[str], group_size: int, n_traj: int) -> list[str]:
+    """The prompt id of each of an epoch's ``n_traj`` trajectories: ``rollout`` samples the
+    ``chosen`` prompts' groups one after another, ``group_size`` trajectories each."""
+    return [chosen[i // group_size] for i in range(n_traj)]
+
+
 def minibatches(n: int, steps: int, seed: int, epoch: int) -> list[np.ndarray]:
     """The epoch's ``n`` trajectory indices shuffled with ``default_rng([seed + epoch, 1])`` (a
     stream independent of the prompt draw) and cut into ``steps`` near-equal parts, each sorted.
@@ -750,7 +756,7 @@ def advantages(run: GrpoRun, rewards: dict[str, np.ndarray], chosen: Sequence[st
     """Group advantages of the epoch (:func:`paco.grpo.advantages.aggregate`: ``aggregation.method``,
     ``delta``, ``train.global_std``), clipped to ``+-train.adv_clip_max``."""
     cfg, t = run.cfg, run.cfg.train
-    group_ids = [chosen[i // cfg.group_size] for i in range(run.n_traj)]
+    group_ids = trajectory_prompts(chosen, cfg.group_size, run.n_traj)
     agg, adv, info = aggregate(rewards, cfg.rewards, group_ids, method=cfg.aggregation.method,
                                delta=cfg.aggregation.delta, global_std=t.global_std)
     return Advantages(np.asarray(agg), np.clip(adv, -t.adv_clip_max, t.adv_clip_max), info,
@@ -1122,10 +1128,8 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
     """``{"metrics": ..., "report": ...}`` of a finished run (see :func:`train_grpo`)."""
     cfg = run.cfg
     window = max(1, min(5, cfg.epochs // 3))
-    # each epoch's prompts, in trajectory order (the draw of `rollout`, group after group)
-    groups = [[chosen[i // cfg.group_size] for i in range(len(r))]
-              for chosen, r in ((epoch_prompts(run.train_ids, cfg.prompts_per_epoch, cfg.seed, e), r)
-                                for e, r in enumerate(state.per_sample_rewards))]
+    groups = [trajectory_prompts(epoch_prompts(run.train_ids, cfg.prompts_per_epoch, cfg.seed, e), cfg.group_size,
+                                 len(r)) for e, r in enumerate(state.per_sample_rewards)]
     signal = learning_signal([np.asarray(r) for r in state.per_sample_rewards], groups, window)
     evals = state.history["eval"]
     first, final = (evals[0] if evals else {}), (evals[-1] if evals else {})
