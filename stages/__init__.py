@@ -1,12 +1,10 @@
 """Thin stage CLIs: ``python -m stages.<name> --params params.yaml ...``.
 
-Importing the package fixes the OpenMP / MKL team sizes of the stage process before any stage
-imports torch (:data:`paco.core.stage.FIXED_THREAD_ENV`): a cached stage's bytes must not depend
-on the machine's load.
+Importing the package fixes the OpenMP / MKL team sizes and the CPU code paths of the stage
+process before any stage imports torch (:func:`paco.core.stage.fix_numerics_env`): a cached
+stage's bytes must depend neither on the machine's load nor on its CPU model.
 """
 
-import os
+from paco.core.stage import fix_numerics_env
 
-from paco.core.stage import FIXED_THREAD_ENV
-
-os.environ.update(FIXED_THREAD_ENV)
+fix_numerics_env()

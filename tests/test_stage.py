@@ -102,3 +102,57 @@ def test_stage_processes_turn_openmp_dynamic_team_sizes_off(entry, expected):
     if out == "no-libgomp":
         pytest.skip("this torch build has no bundled libgomp")
     assert out == expected
+
+
+def test_fix_numerics_env_pins_the_cpu_paths_only_where_it_is_safe(monkeypatch):
+    import paco.core.stage as stage
+
+    flags = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma avx512f\n"
+    assert stage.cpu_has_avx2("x86_64", flags) and stage.cpu_has_avx2("AMD64", flags)
+    assert not stage.cpu_has_avx2("x86_64", flags.replace(" avx2", ""))  # an older x86-64: would crash
+    assert not stage.cpu_has_avx2("aarch64", flags) and not stage.cpu_has_avx2("x86_64", "no flags line")
+
+    monkeypatch.setattr(stage, "cpu_has_avx2", lambda: True)
+    env = {"OMP_DYNAMIC": "true", "MKL_CBWR": "AUTO"}  # a user's own MKL setting is kept, threads are not
+    set_now = stage.fix_numerics_env(env)
+    assert env == {**stage.FIXED_THREAD_ENV, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                   "MKL_CBWR": "AUTO"}
+    assert "MKL_CBWR" not in set_now
+    monkeypatch.setattr(stage, "cpu_has_avx2", lambda: False)
+    env = {}
+    stage.fix_numerics_env(env)
+    assert env == stage.FIXED_THREAD_ENV
+
+
+_KERNELS = """
+import hashlib, sys
+if sys.argv[1] == "stage":
+    import stages  # noqa: F401  (what `python -m stages.<name>` imports first)
+import torch
+torch.manual_seed(0)
+x = torch.randn(4, 8, 16, 16)
+conv = torch.nn.Conv2d(8, 8, 3)
+y = torch.cat([torch.softmax(x, -1).flatten(), torch.nn.functional.gelu(x).flatten(), conv(x).flatten()])
+print(torch.backends.cpu.get_cpu_capability(), hashlib.md5(y.detach().numpy().tobytes()).hexdigest())
+"""
+
+
+def test_stage_processes_run_the_same_cpu_code_paths_on_any_x86_64_cpu():
+    """A stage process computes with the AVX2 kernels of torch, oneDNN and MKL wherever the CPU
+    has AVX2, whatever wider paths it also has: the bytes equal those of a process told to use
+    the AVX2 paths. (On an AVX-512 CPU the bare interpreter's softmax, GELU and convolution
+    bytes differ from these; on an AVX2-only CPU they are the same.)"""
+    from paco.core.stage import FIXED_CPU_ISA_ENV, cpu_has_avx2
+
+    if not cpu_has_avx2():
+        pytest.skip("not an x86-64 CPU with AVX2: the CPU paths are left to torch")
+    bare = {k: v for k, v in os.environ.items() if k not in FIXED_CPU_ISA_ENV}
+    root = Path(__file__).resolve().parents[1]
+
+    def run_(entry: str, env: dict[str, str]) -> list[str]:
+        return subprocess.run([sys.executable, "-c", _KERNELS, entry], env=env, capture_output=True, text=True,
+                              check=True, cwd=root).stdout.split()
+
+    stage_out = run_("stage", bare)
+    assert stage_out == run_("bare", {**bare, **FIXED_CPU_ISA_ENV})
+    assert stage_out[0] == "AVX2"

@@ -41,7 +41,7 @@ from typing import Any
 
 from PIL import Image
 
-from paco.core.stage import FIXED_THREAD_ENV
+from paco.core.stage import fix_numerics_env
 from paco.judge.model import canonical_answer
 from paco.judge.templates import NO, YES, build_openai_messages, openai_error_message, openai_retries, png_bytes
 
@@ -422,8 +422,9 @@ class LocalJudgeServer:
                    "--request-timeout-s", str(self.request_timeout_s)]
         # OpenMP threads that busy-wait between the server's small forward passes would steal the
         # cores the trainer needs (and the other way round): make them sleep when idle.
-        # Scores must not depend on the machine's load either (FIXED_THREAD_ENV).
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **FIXED_THREAD_ENV}
+        # Scores must not depend on the machine's load or CPU model either (fix_numerics_env).
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        fix_numerics_env(env)
         with open(self._log_file, "ab") as logf:
             # vLLM runs its engine in child processes: its own session, so stopping it stops them all
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

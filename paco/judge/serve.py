@@ -125,6 +125,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from paco.core.io import ImageDecodeError, decode_image
+from paco.core.stage import fix_numerics_env
 from paco.judge.model import JudgeContextError, check_context, encode_prompts
 
 log = logging.getLogger("paco.judge.serve")
@@ -996,6 +997,9 @@ def watch_parent(parent_pid: int, on_exit, interval_s: float = 0.5) -> threading
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before the first torch op (ATen, oneDNN and MKL read these lazily): scores must not depend
+    # on the machine's load or CPU model (a server a stage starts gets them from the stage too)
+    fix_numerics_env()
     p = argparse.ArgumentParser(prog="paco-serve-judge", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="merged judge directory (reward_merge output) or any judge dir")
