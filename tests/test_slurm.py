@@ -39,6 +39,11 @@ ARTIFACTS = [
     "data/pairs/edit_pairs.parquet",
     "data/labels/sft.parquet",
 ]
+#: the first status query 1 s after a submission, not the profiles' 10 s (slurm plugin; it then
+#: backs off by 10 s per query that finds nothing finished), and one query a second, not every
+#: 10 s (cluster-generic): a local cluster answers at once, and the tests wait less
+FAST_STATUS_CHECKS = {"slurm": ["--slurm-init-seconds-before-status-checks", "1"],
+                      "sbatch": ["--seconds-between-status-checks", "1"]}
 #: a Snakemake run on the cluster is killed after this long (a status-query problem fails, never hangs)
 RUN_TIMEOUT_S = 900
 
@@ -135,9 +140,8 @@ def profile_runs(cluster, tmp_path_factory) -> dict[str, tuple[Path, int, str, f
     for profile in ("slurm", "sbatch"):
         repo = _clone(tmp_path_factory.mktemp(f"profile-{profile}"), "repo")
         _two_processes_for_labels(repo)
-        args = [sys.executable, "-m", "snakemake", *TARGETS, "--profile", f"workflow/profiles/{profile}"]
-        if profile == "slurm":
-            args += ["--slurm-init-seconds-before-status-checks", "1"]
+        args = [sys.executable, "-m", "snakemake", *TARGETS, "--profile", f"workflow/profiles/{profile}",
+                *FAST_STATUS_CHECKS[profile]]
         started[profile] = (repo, *_start(args, repo))
     return {profile: (repo, *_finish(proc, t0, profile, RUN_TIMEOUT_S)) for profile, (repo, proc, t0) in started.items()}
 
@@ -178,43 +182,49 @@ def test_profile_runs_every_job_through_sbatch_with_dvc_identical_outputs(profil
         assert _md5(repo / f.relative_to(dvc_reference)) == _md5(f), f
 
 
+def _prompts_resources(repo: Path, **resources) -> None:
+    """``resources.stages.prompts``: the defaults with ``resources``."""
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    stages = params["resources"].setdefault("stages", {})
+    stages["prompts"] = {**params["resources"]["default"], **resources}
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
 def _break_prompts(repo: Path) -> None:
     with (repo / "data/raw/t2is_prompts.jsonl").open("a") as f:
         f.write('{"prompt": "a broken row\n')
+    _prompts_resources(repo, cpus_per_task=1)  # two of the four jobs at once on the 2-CPU node
 
 
 def _starve_prompts_of_memory(repo: Path) -> None:
     """``resources.stages.prompts.mem_mb: 60``: the job exceeds it and SLURM kills it
     (OverMemoryKill in the local cluster; cgroups on a real one)."""
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    stages = params["resources"].setdefault("stages", {})
-    stages["prompts"] = {**params["resources"]["default"], "mem_mb": 60}
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    _prompts_resources(repo, cpus_per_task=1, mem_mb=60)
 
 
 @pytest.fixture(scope="module")
 def failed_runs(cluster, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, str]]:
-    """The prompts rule through both profiles at once, in clones broken two ways: ``stage`` (a
-    malformed prompts row: the stage fails) and ``memory`` (60 MB: SLURM kills the job). Each run
-    must exit non-zero within 300 s. (profile, how) -> (clone, output)."""
-    results = {}
+    """The prompts rule through both profiles, in clones broken two ways: ``stage`` (a malformed
+    prompts row: the stage fails) and ``memory`` (60 MB: SLURM kills the job); the four runs at
+    once, each job on 1 CPU. Each must exit non-zero within 300 s. (profile, how) -> (clone,
+    output)."""
+    started = {}
     for how, breaks in (("stage", _break_prompts), ("memory", _starve_prompts_of_memory)):
-        # the two profiles at once (four runs at once took twice as long on 2 cores)
-        started = {}
         for profile in ("slurm", "sbatch"):
             repo = _clone(tmp_path_factory.mktemp(f"fail-{how}-{profile}"), "repo")
             breaks(repo)
             # a failed job's outputs are waited for latency-wait s, in the job and in Snakemake
             # (the profiles' 30 s is for a cluster's shared filesystem; here it is local)
             args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
-                    f"workflow/profiles/{profile}", "--latency-wait", "3"]
+                    f"workflow/profiles/{profile}", "--latency-wait", "3", *FAST_STATUS_CHECKS[profile]]
             started[profile, how] = (repo, *_start(args, repo))
-        for key, (repo, proc, t0) in started.items():
-            code, out, seconds = _finish(proc, t0, f"{key}: a failed job left Snakemake waiting", 300)
-            print(f"{key}: failed after {seconds:.0f} s")
-            assert code != 0, out[-4000:]
-            assert "Error in rule prompts" in out, out[-4000:]
-            results[key] = (repo, out)
+    results = {}
+    for key, (repo, proc, t0) in started.items():
+        code, out, seconds = _finish(proc, t0, f"{key}: a failed job left Snakemake waiting", 300)
+        print(f"{key}: failed after {seconds:.0f} s")
+        assert code != 0, out[-4000:]
+        assert "Error in rule prompts" in out, out[-4000:]
+        results[key] = (repo, out)
     return results
 
 
@@ -255,7 +265,7 @@ def test_a_job_cancelled_by_scancel_fails_the_sbatch_profile(cluster, tmp_path):
     try:
         repo = _clone(tmp_path, "sbatch")
         args = [sys.executable, "-m", "snakemake", "data/prompts/prompts.parquet", "--profile",
-                "workflow/profiles/sbatch"]
+                "workflow/profiles/sbatch", *FAST_STATUS_CHECKS["sbatch"]]
         proc = subprocess.Popen(args, cwd=repo, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
