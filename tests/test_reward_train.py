@@ -302,7 +302,7 @@ def test_resume_equals_uninterrupted(baseline, tiny_model_dirs, sft_path, tmp_pa
     assert [e["loss"] for e in m["eval"]] == pytest.approx([e["loss"] for e in baseline["metrics"]["eval"][1:]])
 
 
-def test_another_run_identity_starts_fresh(baseline, tiny_model_dirs, sft_path, tmp_path, caplog):
+def test_another_run_identity_starts_fresh(baseline, tiny_model_dirs, sft_path, tmp_path, caplog, monkeypatch):
 
     ck = tmp_path / "checkpoints"
     shutil.copytree(baseline["out"] / "checkpoints", ck)
@@ -327,6 +327,19 @@ def test_another_run_identity_starts_fresh(baseline, tiny_model_dirs, sft_path, 
     assert steps == [1]
     assert "another run identity" in caplog.text and "params:reward_train" in caplog.text
     assert list_checkpoints(ck) == []
+    # the same params under another thread count (a resume on another machine, or with
+    # PACO_NUM_THREADS changed): CPU kernels round otherwise, so the run starts fresh too
+    shutil.copytree(baseline["out"] / "checkpoints", ck, dirs_exist_ok=True)
+    threads, steps[:] = torch.get_num_threads(), []
+    caplog.clear()
+    try:
+        monkeypatch.setenv("PACO_NUM_THREADS", str(threads + 1))
+        with caplog.at_level(logging.WARNING, logger="paco.judge.training"), pytest.raises(_Stop):
+            train_reward(baseline["cfg"], sft_path, tiny_model_dirs["judge_base"], callback=cb, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert steps == [1]
+    assert "another run identity" in caplog.text and "extra:cpu_numerics" in caplog.text
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(baseline, tiny_model_dirs, sft_path,

@@ -134,6 +134,31 @@ def test_path_digest(tmp_path):
     assert path_digest(d) != first
 
 
+def test_launch_parts_name_the_settings_cpu_kernels_round_by(monkeypatch):
+    from paco.core.run_identity import launch_parts
+
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    cpu = launch_parts(2, "cpu")
+    assert cpu == {"num_processes": 2, "device": "cpu",
+                   "cpu_numerics": f"threads={threads} ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=unset"}
+    # GPU kernels read none of them
+    assert launch_parts(2, "cuda") == {"num_processes": 2, "device": "cuda"}
+    base = RunIdentity("grpo@t2is", {"params:grpo.t2is": "x"})
+    digest = base.extended(**cpu).digest
+    try:
+        torch.set_num_threads(threads + 1)
+        more_threads = base.extended(**launch_parts(2, "cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert more_threads.digest != digest and base.extended(**launch_parts(2, "cpu")).digest == digest
+    assert more_threads.changed(base.extended(**cpu).parts) == ["extra:cpu_numerics"]
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    assert base.extended(**launch_parts(2, "cpu")).changed(base.extended(**cpu).parts) == ["extra:cpu_numerics"]
+
+
 def test_params_identity_needs_every_declared_section():
     with pytest.raises(KeyError, match="judge_endpoint"):
         params_identity("grpo@x", {"grpo.x": {}, "subfigures": {}})

@@ -23,8 +23,8 @@ from exactly the declarations that make DVC rerun it:
 
   the ``evaluation`` keys have their own digest (:attr:`RunIdentity.evaluation`).
 
-A trainer adds its own parts (the process count, the device type) with :meth:`RunIdentity.extended`
-and stores :meth:`RunIdentity.to_state` in every checkpoint; on the next start it resumes only a
+A trainer adds its own parts (:func:`launch_parts`: the process count, the device type and, on
+CPU, the settings the CPU kernels round by) with :meth:`RunIdentity.extended` and stores :meth:`RunIdentity.to_state` in every checkpoint; on the next start it resumes only a
 checkpoint whose :attr:`RunIdentity.digest` equals the current one, and otherwise starts fresh and
 says which parts changed (:meth:`RunIdentity.changed`).
 """
@@ -156,6 +156,28 @@ class RunIdentity:
         """``"dep:data/x, params:grpo.t2is (+3 more)"`` for a log line."""
         shown = ", ".join(names[:limit])
         return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def launch_parts(num_processes: int, device_type: str) -> dict[str, Any]:
+    """A trainer's own identity parts (for :meth:`RunIdentity.extended`): ``num_processes``,
+    ``device`` (``"cpu"``, ``"cuda"``, ...) and, on CPU, ``cpu_numerics``: torch's intra-op
+    threads in this process (call it after the trainer set them) and the CPU code-path variables
+    of :data:`paco.core.stage.FIXED_CPU_ISA_ENV` (``unset`` where unset), e.g.
+    ``"threads=2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2"``.
+
+    CPU reductions are split per thread and each code path rounds its own way
+    (:mod:`paco.core.stage`), so a checkpoint written under other settings would continue on
+    numbers that neither an uninterrupted run under the old settings nor one under the new ones
+    computes: it is not resumed. (GPU kernels do not read these settings.)"""
+    parts: dict[str, Any] = {"num_processes": num_processes, "device": device_type}
+    if device_type == "cpu":
+        import torch
+
+        from paco.core.stage import FIXED_CPU_ISA_ENV
+
+        parts["cpu_numerics"] = " ".join([f"threads={torch.get_num_threads()}",
+                                          *(f"{k}={os.environ.get(k, 'unset')}" for k in FIXED_CPU_ISA_ENV)])
+    return parts
 
 
 def _member(name: str, raw: Mapping[str, Any]) -> Any:

@@ -84,7 +84,7 @@ from paco.core.io import write_json
 from paco.core.params import GrpoSubtaskParams, ParamsError
 from paco.grpo.policies import OLD_ADAPTER, TRAINED_ADAPTER, Conditioning, Policy, grid_size, load_policy
 from paco.grpo.rewards import SERVED_REWARDS, PromptInfo, RewardContext, compute_rewards, subtask_items
-from paco.core.run_identity import RunIdentity
+from paco.core.run_identity import RunIdentity, launch_parts
 
 log = logging.getLogger("paco.grpo.trainer")
 
@@ -481,8 +481,9 @@ def check_splits(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, section: str = "
 def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.PathLike[str], ctx: RewardContext,
           identity: RunIdentity, *, checkpoints_dir: str | os.PathLike[str], plots_dir: str | os.PathLike[str] | None,
           accelerator: Any) -> GrpoRun:
-    """Check the prompts against the params, load the policy with its LoRA adapters (trained,
-    old) and build the optimizer and the EMA.
+    """Set the CPU threads, add the launch to the run identity
+    (:func:`paco.core.run_identity.launch_parts`), check the prompts against the params, load the
+    policy with its LoRA adapters (trained, old) and build the optimizer and the EMA.
 
     Raises:
         paco.core.params.ParamsError: a split without prompts, too few prompts for ``prompts_per_epoch`` or too few
@@ -495,6 +496,7 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    identity = identity.extended(**launch_parts(world, device.type))
 
     prompts, infos = subtask_items(prompts, cfg.dataset)
     check_splits(cfg, prompts)
@@ -1033,7 +1035,8 @@ def train_grpo(
         policy_dir: the policy's pipeline directory (``models`` stage), loaded as ``cfg.family``.
         ctx: reward models (judge client, CLIP, instruction, grid splitting).
         identity: the stage's run identity (:func:`paco.core.run_identity.stage_identity`); the
-            process count and device type are added here.
+            process count, the device type and the CPU settings are added here
+            (:func:`paco.core.run_identity.launch_parts`).
         lora_dir: the final LoRA (EMA weights if enabled) in diffusers' format
             (``pytorch_lora_weights.safetensors``, loadable with the family's pipeline's ``load_lora_weights``)
             plus ``lora_config.json``; ``None``: not saved.
@@ -1054,9 +1057,6 @@ def train_grpo(
         FloatingPointError: a non-finite loss.
     """
     t_start = time.perf_counter()
-    world = accelerator.num_processes if accelerator is not None else 1
-    device = accelerator.device if accelerator is not None else torch.device("cpu")
-    identity = identity.extended(num_processes=world, device=device.type)
     run = setup(cfg, prompts, policy_dir, ctx, identity, checkpoints_dir=checkpoints_dir, plots_dir=plots_dir,
                 accelerator=accelerator)
     state = resume(run)

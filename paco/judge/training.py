@@ -113,7 +113,7 @@ from paco.core.io import ArtifactError, decode_image, read_parquet, write_json
 from paco.judge.model import AnswerTokens, check_answer_tokens, encode_sft, p_yes_from_logits
 from paco.judge.losses import IGNORE_INDEX, answer_positions, first_token_weighted_loss
 from paco.core.params import LoraParams, PairAugmentParams, RewardTrainParams
-from paco.core.run_identity import RunIdentity
+from paco.core.run_identity import RunIdentity, launch_parts
 from paco.core.stage import broadcast_from_main, cpu_threads_per_process
 
 log = logging.getLogger("paco.judge.training")
@@ -636,7 +636,7 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
     handles = [accelerator.register_save_state_pre_hook(hooks.save),
                accelerator.register_load_state_pre_hook(hooks.load)]
     return RewardRun(
-        cfg=cfg, accelerator=accelerator, identity=identity.extended(num_processes=world, device=accelerator.device.type),
+        cfg=cfg, accelerator=accelerator, identity=identity.extended(**launch_parts(world, accelerator.device.type)),
         model=model, processor=processor, optimizer=optimizer, scheduler=scheduler, params=params, answer=answer,
         train_rows=train_rows, train_available=len(train_all), test_rows=test_rows, counts=counts,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, warmup_steps=warmup_steps,
@@ -817,7 +817,8 @@ def train_reward(
             evaluates on ``split == "test"``, rows with ``status == "ok"`` only.
         base_dir: the base judge directory (``models`` stage ``judge_base``).
         identity: the stage's run identity (:func:`paco.core.run_identity.stage_identity`); the
-            process count and device type are added here.
+            process count, the device type and the CPU settings are added here
+            (:func:`paco.core.run_identity.launch_parts`).
         adapter_dir: where the PEFT adapter is written; ``None``: not saved.
         checkpoints_dir: resumable checkpoints (persisted between runs).
         plots_dir: ``train.csv`` / ``eval.csv`` (main process; ``None``: not written).
