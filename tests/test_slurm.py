@@ -103,10 +103,16 @@ def _md5(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
-def _two_processes_for_labels(repo: Path) -> None:
+def _one_cpu_jobs_and_two_processes_for_labels(repo: Path) -> None:
+    """Every stage's job asks 1 CPU (two jobs at once on the 2-CPU node: the two profiles' runs
+    share it), and ``labels`` runs 2 accelerate processes in its job."""
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    stages = params["resources"].setdefault("stages", {})
-    stages["labels"] = {**params["resources"]["default"], **stages.get("labels", {}), "processes": 2}
+    resources = params["resources"]
+    resources["default"]["cpus_per_task"] = 1
+    stages = resources.setdefault("stages", {})
+    for name in stages:
+        stages[name]["cpus_per_task"] = 1
+    stages["labels"] = {**resources["default"], **stages.get("labels", {}), "processes": 2}
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
@@ -139,7 +145,7 @@ def profile_runs(cluster, tmp_path_factory) -> dict[str, tuple[Path, int, str, f
     started = {}
     for profile in ("slurm", "sbatch"):
         repo = _clone(tmp_path_factory.mktemp(f"profile-{profile}"), "repo")
-        _two_processes_for_labels(repo)
+        _one_cpu_jobs_and_two_processes_for_labels(repo)
         args = [sys.executable, "-m", "snakemake", *TARGETS, "--profile", f"workflow/profiles/{profile}",
                 *FAST_STATUS_CHECKS[profile]]
         started[profile] = (repo, *_start(args, repo))
@@ -162,14 +168,14 @@ def test_profile_runs_every_job_through_sbatch_with_dvc_identical_outputs(profil
         rules = [j["JobName"].removeprefix("paco-") for j in jobs]
     assert sorted(rules) == sorted(RULES), jobs
     assert all(j["State"] == "COMPLETED" and j["ExitCode"] == "0:0" for j in jobs), jobs
-    # each job got the CPUs its stage asked for (params.yaml resources: cpus_per_task 2)
-    assert all(j["AllocCPUS"] == "2" for j in jobs), jobs
+    # each job got the CPUs its stage asked for (resources: cpus_per_task 1 here, 2 by default)
+    assert all(j["AllocCPUS"] == "1" for j in jobs), jobs
 
     # labels ran as 2 accelerate processes inside its one SLURM job
     labels_job = next(j for j, r in zip(jobs, rules) if r == "labels")
     run = json.loads((repo / "data/labels/report.json").read_text())["run"]
     assert run["processes"] == 2, run
-    assert run["slurm"] == {"job_id": labels_job["JobID"], "node": run["slurm"]["node"], "cpus_per_task": 2}, run
+    assert run["slurm"] == {"job_id": labels_job["JobID"], "node": run["slurm"]["node"], "cpus_per_task": 1}, run
 
     # job logs are kept (the slurm plugin deletes successful jobs' logs unless told otherwise)
     for rule in RULES:
