@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -166,12 +165,12 @@ def test_editing_subtasks_train_and_sample(dvc_repo, subtask):
       on the samples, p 0.21, drowns it in the spread between items); other numeric paths
       +0.025 (p 2e-5) and +0.037 (p 2e-8), GRPO seed 1 +0.071. With 8 epochs of all 28 items
       (16 optimizer steps, not 32): +0.010. Asserted with a margin of 0.01 (the smallest
-      measured gain is +0.015). The held-out edits at 192 px do not follow: evaluation
-      0.330 -> 0.327, final edits -0.001 (28 paired, p 0.38; other paths +0.002 / -0.007);
-      at the 128 px training resolution LoRAs of earlier runs gained (+0.013 / +0.004, 56
-      paired, p 4e-6 / 0.03). The tiny Qwen-Image-Edit's LoRA does not carry across
-      resolutions (encoding its input image at 128 px for a 192 px edit changes the edits by
-      0.14 / 255 per pixel: not the conditioning); its final edits are reported, not asserted.
+      measured gain is +0.015). The tiny Qwen-Image-Edit's LoRA does not carry across
+      resolutions: the evaluation at 192 px goes 0.330 -> 0.327 and its final edits there gain
+      -0.001 (28 paired, p 0.38; other paths +0.002 / -0.007), while at the 128 px training
+      resolution the final edits gain +0.021 (better in 28 of 28, p 2e-7; earlier paths +0.013
+      / +0.004). Not the conditioning, RoPE centring or the schedule shift (README), so the
+      embedded default samples Qwen's final edits at 128 px; asserted with a margin of 0.01.
 
     The judge's editing reward is mostly its consistency question (it does not learn prompt
     following, issue 10 note), so the policies learn to stay consistent with the input."""
@@ -201,13 +200,10 @@ def test_editing_subtasks_train_and_sample(dvc_repo, subtask):
     if subtask == "kontext_editing":
         assert sig["improvement"] > 0.015 and sig["p_value"] < 1e-4, sig
         assert gain["lora_minus_base"] > 0.02 and gain["paired_t_p_value"] < 1e-3, gain
-    else:  # the final edits' figures are reported (docstring); the LoRA changes them
+    else:  # final edits at the training resolution (128 px, params.yaml)
         assert sig["improvement"] > 0.01 and sig["p_value"] < 1e-3, sig
-        assert np.isfinite(gain["lora_minus_base"])
-        by = samples.set_index(["prompt_id", "seed", "variant"])["image"]
-        changed = [by[(p, s_, "base")]["bytes"] != by[(p, s_, "lora")]["bytes"]
-                   for p, s_ in {(p, s_) for p, s_, _ in by.index}]
-        assert sum(changed) > len(changed) // 2, f"{sum(changed)} of {len(changed)} edits changed by the LoRA"
+        assert s["resolution"] == cfg["train"]["resolution"] == 128, (s["resolution"], cfg["train"])
+        assert gain["lora_minus_base"] > 0.01 and gain["paired_t_p_value"] < 1e-3, gain
 
 
 def test_the_editing_benchmark_scores_every_judge(dvc_repo):
