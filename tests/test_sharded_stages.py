@@ -111,9 +111,10 @@ def test_reward_merge_two_processes_equal_one_byte_for_byte(workspace, tmp_path)
     assert not list(outs[2].glob(".model.*"))  # the temporary save was moved or removed
 
 
-def _reward_eval(repo: Path, processes: int, out: Path) -> subprocess.CompletedProcess:
-    """The stage's registry command with ``processes`` and outputs under ``out``; the untrained
-    base judge stands in for the merged one (the scores are what must agree, not their quality)."""
+def _reward_eval(repo: Path, processes: int, out: Path, instances: Path) -> subprocess.CompletedProcess:
+    """The stage's registry command with ``processes``, the ranking ``instances`` and outputs
+    under ``out``; the untrained base judge stands in for the merged one (the scores are what must
+    agree, not their quality)."""
     from workflow.registry import by_name
 
     params = yaml.safe_load((repo / "params.yaml").read_text())
@@ -125,15 +126,26 @@ def _reward_eval(repo: Path, processes: int, out: Path) -> subprocess.CompletedP
     cmd = member.resolve(by_name("reward_eval").cmd, params)
     cmd = (cmd.replace("params.yaml", f"params-{processes}.yaml")
               .replace("--judge data/reward_merge/model", "--judge data/models/judge_base")
+              .replace("--instances data/pairs/rank_instances.parquet", f"--instances {instances}")
               .replace("data/reward_eval/", f"{out}/"))
     assert f"--num_processes {processes}" in cmd and f"{out}/predictions.parquet" in cmd, cmd
+    assert f"--instances {instances}" in cmd, cmd
     return _sh(["bash", "-c", cmd], repo)
 
 
 def test_reward_eval_two_processes_equal_one_byte_for_byte(workspace, tmp_path):
+    import pandas as pd
+
+    # the held-out instances of 3 of the 8 test prompts (every prompt's instances whole: the
+    # per-prompt figures too must agree), and all the photo edits
+    table = pd.read_parquet(workspace / "data/pairs/rank_instances.parquet")
+    test = table[table["split"] == "test"]
+    kept = sorted(test["prompt_id"].unique())[:3]
+    instances = tmp_path / "rank_instances.parquet"
+    test[test["prompt_id"].isin(kept)].to_parquet(instances, index=False)
     one, two = tmp_path / "one", tmp_path / "two"
-    _reward_eval(workspace, 1, one)
-    _reward_eval(workspace, 2, two)
+    _reward_eval(workspace, 1, one, instances)
+    _reward_eval(workspace, 2, two, instances)
     assert (one / "predictions.parquet").read_bytes() == (two / "predictions.parquet").read_bytes()
     assert (one / "metrics.json").read_bytes() == (two / "metrics.json").read_bytes()
     report_one = json.loads((one / "report.json").read_text())
@@ -142,4 +154,5 @@ def test_reward_eval_two_processes_equal_one_byte_for_byte(workspace, tmp_path):
     for report in (report_one, report_two):
         del report["run"]
     assert report_one == report_two  # every figure, the editing benchmark's included
-    assert report_one["instances"] > 0 and report_one["editing"]["instances"] > 0
+    assert report_one["prompts"] == 3 and report_one["instances"] == int(test["prompt_id"].isin(kept).sum()) > 12
+    assert report_one["editing"]["instances"] > 0
