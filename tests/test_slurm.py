@@ -103,16 +103,16 @@ def _md5(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
-def _one_cpu_jobs_and_two_processes_for_labels(repo: Path) -> None:
-    """Every stage's job asks 1 CPU (two jobs at once on the 2-CPU node: the two profiles' runs
-    share it), and ``labels`` runs 2 accelerate processes in its job."""
+def _set_resources(repo: Path, every_stage: dict | None = None, **stages: dict) -> None:
+    """Edit ``params.yaml``'s ``resources``: ``every_stage`` into the default and every stage's
+    entry, then ``stages[name]`` into stage ``name``'s (made from the default where absent)."""
     params = yaml.safe_load((repo / "params.yaml").read_text())
     resources = params["resources"]
-    resources["default"]["cpus_per_task"] = 1
-    stages = resources.setdefault("stages", {})
-    for name in stages:
-        stages[name]["cpus_per_task"] = 1
-    stages["labels"] = {**resources["default"], **stages.get("labels", {}), "processes": 2}
+    entries = resources.setdefault("stages", {})
+    for entry in (resources["default"], *entries.values()):
+        entry.update(every_stage or {})
+    for name, values in stages.items():
+        entries[name] = {**resources["default"], **entries.get(name, {}), **values}
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
@@ -145,7 +145,9 @@ def profile_runs(cluster, tmp_path_factory) -> dict[str, tuple[Path, int, str, f
     started = {}
     for profile in ("slurm", "sbatch"):
         repo = _clone(tmp_path_factory.mktemp(f"profile-{profile}"), "repo")
-        _one_cpu_jobs_and_two_processes_for_labels(repo)
+        # every job on 1 CPU (two at once on the 2-CPU node: the two profiles' runs share it),
+        # labels as 2 accelerate processes in its job
+        _set_resources(repo, every_stage={"cpus_per_task": 1}, labels={"processes": 2})
         args = [sys.executable, "-m", "snakemake", *TARGETS, "--profile", f"workflow/profiles/{profile}",
                 *FAST_STATUS_CHECKS[profile]]
         started[profile] = (repo, *_start(args, repo))
@@ -188,24 +190,16 @@ def test_profile_runs_every_job_through_sbatch_with_dvc_identical_outputs(profil
         assert _md5(repo / f.relative_to(dvc_reference)) == _md5(f), f
 
 
-def _prompts_resources(repo: Path, **resources) -> None:
-    """``resources.stages.prompts``: the defaults with ``resources``."""
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    stages = params["resources"].setdefault("stages", {})
-    stages["prompts"] = {**params["resources"]["default"], **resources}
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-
-
 def _break_prompts(repo: Path) -> None:
     with (repo / "data/raw/t2is_prompts.jsonl").open("a") as f:
         f.write('{"prompt": "a broken row\n')
-    _prompts_resources(repo, cpus_per_task=1)  # two of the four jobs at once on the 2-CPU node
+    _set_resources(repo, prompts={"cpus_per_task": 1})  # two of the four jobs at once on the 2-CPU node
 
 
 def _starve_prompts_of_memory(repo: Path) -> None:
     """``resources.stages.prompts.mem_mb: 60``: the job exceeds it and SLURM kills it
     (OverMemoryKill in the local cluster; cgroups on a real one)."""
-    _prompts_resources(repo, cpus_per_task=1, mem_mb=60)
+    _set_resources(repo, prompts={"cpus_per_task": 1, "mem_mb": 60})
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ from exactly the declarations that make DVC rerun it:
   the ``evaluation`` keys have their own digest (:attr:`RunIdentity.evaluation`).
 
 A trainer adds its own parts (:func:`launch_parts`: the process count, the device type and, on
-CPU, the settings the CPU kernels round by) with :meth:`RunIdentity.extended` and stores :meth:`RunIdentity.to_state` in every checkpoint; on the next start it resumes only a
+CPU, the settings the CPU kernels round by) with :meth:`RunIdentity.extended` and stores
+:meth:`RunIdentity.to_state` in every checkpoint; on the next start it resumes only a
 checkpoint whose :attr:`RunIdentity.digest` equals the current one, and otherwise starts fresh and
 says which parts changed (:meth:`RunIdentity.changed`).
 """
