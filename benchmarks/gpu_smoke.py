@@ -427,7 +427,8 @@ def run_smoke(workdir: Path, *, device: str = "cuda", dtype: str = "bfloat16", w
                                                        ref, workdir / f"server/vllm-{vdtype}.log")
     with contextlib.ExitStack() as stack:
         with timer.stage("serve_start"):
-            url = stack.enter_context(judge_endpoint(params, merged, accelerator, workdir / "server"))
+            endpoint = stack.enter_context(judge_endpoint(params, merged, accelerator, workdir / "server"))
+            url = endpoint.url()
         if "paco" in engines:
             client = JudgeClient(url, text.served_model_name, concurrency=16, top_logprobs=top)
             client.score(triples[:1])  # warm-up
@@ -439,7 +440,7 @@ def run_smoke(workdir: Path, *, device: str = "cuda", dtype: str = "bfloat16", w
         timer.rows.setdefault("serve", {}).update(engines=serve_rows, reference=reference.tolist(), pairs=len(triples))
 
         # (d) one GRPO epoch through the real trainer, rewards through the served judge
-        ctx = make_reward_context(params, url, dirs["clip"])
+        ctx = make_reward_context(params, endpoint, dirs["clip"])
         cfg = params.grpo["t2is"]
         prompts = prompts_table(cfg.prompts_per_epoch, 2)
         with timer.stage("grpo"):

@@ -54,9 +54,8 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _body(args: argparse.Namespace, params: Params) -> dict:
     import io
 
-    from paco.grpo.rewards import ITEM_COLUMNS
+    from paco.grpo.rewards import ITEM_COLUMNS, RewardError
     from paco.judge.client import JudgeError
-    from paco.grpo.rewards import RewardError
     from paco.grpo.final_samples import final_samples
 
     cfg = subtask_params(params, "final_samples", args.subtask)
@@ -66,8 +65,9 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     prompts = read_parquet(args.items, required=ITEM_COLUMNS[cfg.dataset])
     accelerator = make_accelerator()
     try:
-        with judge_endpoint(params, args.judge, accelerator, None) as url:
-            ctx = make_reward_context(params, url, args.clip)
+        # a local judge server loads while make_reward_context imports and loads CLIP, then waits for it
+        with judge_endpoint(params, args.judge, accelerator, None) as endpoint:
+            ctx = make_reward_context(params, endpoint, args.clip)
             table, sheets, metrics = final_samples(cfg, prompts, args.policy, args.lora, ctx,
                                                    rank=accelerator.process_index, world=accelerator.num_processes,
                                                    accelerator=accelerator)

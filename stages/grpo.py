@@ -9,9 +9,9 @@ Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
         --plots data/grpo/t2is/plots --metrics data/grpo/t2is/metrics.json
 
 The judge: with ``judge_endpoint.url: null`` the main process starts ``python -m paco.judge.serve`` on the
-``--judge`` model on a free localhost port, waits for ``/health``, checks the served model name
-and stops it on exit; with a URL (e.g. of ``vllm serve data/reward_merge/model
---served-model-name paco-reward``) that server is checked and used. Params: ``grpo.<subtask>``
+``--judge`` model on a free localhost port, loads CLIP while it starts, then waits for ``/health``,
+checks the served model name, and stops it on exit; with a URL (e.g. of ``vllm serve
+data/reward_merge/model --served-model-name paco-reward``) that server is checked and used. Params: ``grpo.<subtask>``
 (:class:`paco.core.params.GrpoSubtaskParams`), ``judge_endpoint``, ``subfigures`` (how grids are cut for the
 panel rewards). Writes the LoRA (diffusers format), resumable checkpoints, ``plots/train.csv``,
 ``plots/eval.csv`` and ``metrics.json`` (:func:`paco.grpo.trainer.train_grpo`).
@@ -51,10 +51,9 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
-    from paco.grpo.rewards import ITEM_COLUMNS
+    from paco.grpo.rewards import ITEM_COLUMNS, RewardError
     from paco.grpo.trainer import check_splits, train_grpo
     from paco.judge.client import JudgeError
-    from paco.grpo.rewards import RewardError
     from paco.core.run_identity import stage_identity_on_main
 
     cfg = subtask_params(params, "grpo", args.subtask)
@@ -64,8 +63,9 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     accelerator = make_accelerator()
     identity = stage_identity_on_main(f"grpo@{args.subtask}", args, params, accelerator)
     try:
-        with judge_endpoint(params, args.judge, accelerator, args.checkpoints) as url:
-            ctx = make_reward_context(params, url, args.clip)
+        # a local judge server loads while make_reward_context imports and loads CLIP, then waits for it
+        with judge_endpoint(params, args.judge, accelerator, args.checkpoints) as endpoint:
+            ctx = make_reward_context(params, endpoint, args.clip)
             out = train_grpo(cfg, prompts, args.policy, ctx, identity=identity, lora_dir=args.lora,
                              checkpoints_dir=args.checkpoints, plots_dir=args.plots, accelerator=accelerator)
     except (JudgeError, RewardError) as exc:

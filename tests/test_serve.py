@@ -278,13 +278,24 @@ def test_local_server_process_lifecycle(tiny_model_dirs, tmp_path, monkeypatch):
     log = tmp_path / "server.log"
     monkeypatch.setenv("OMP_DYNAMIC", "true")  # a user's setting must not reach the server's torch
     server = LocalJudgeServer(tiny_model_dirs["judge_base"], NAME, log_path=log, threads=1, max_logprobs=VOCAB)
-    with server as url:
+    with pytest.raises(RuntimeError, match="not started"):
+        server.wait_ready()
+    # start() returns while the server loads (a stage does its own start-up meanwhile) and
+    # wait_ready() waits for it, once (`with` is the two together); __exit__ stops it
+    server.start()
+    try:
+        with pytest.raises(RuntimeError, match="already started"):
+            server.start()
+        url = server.wait_ready()
+        assert server.wait_ready() == url
         environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{server.proc.pid}/environ").read_text().split("\0") if "=" in kv)
         assert environ["OMP_DYNAMIC"] == "false" and environ["MKL_DYNAMIC"] == "false"
         client = JudgeClient(url, NAME, retries=0, top_logprobs=VOCAB)
         a, b = _images(2)
         assert 0.0 <= client.score([(a, b, judge_instruction(None))])[0] <= 1.0
         assert client.health()["forward_passes"] == 1
+    finally:
+        server.__exit__(None, None, None)
     with pytest.raises(JudgeError):
         JudgeClient(url, NAME, retries=0, timeout_s=2).health()
     assert "serving" in log.read_text()

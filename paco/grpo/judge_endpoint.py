@@ -22,22 +22,67 @@ def subtask_params(params: Params, section: str, subtask: str):
     return table[subtask]
 
 
+class JudgeEndpoint:
+    """The judge a stage scores with, while :func:`judge_endpoint` holds it: ``judge_endpoint.url``,
+    or the local server the main process started. :meth:`url` waits until that server is ready;
+    every process must call it (the main process broadcasts the URL, or the start-up error)."""
+
+    def __init__(self, accelerator, *, url: str | None = None, server=None):
+        self._accelerator = accelerator
+        self._url = url
+        self._server = server
+        self._resolved = url is not None
+
+    def url(self) -> str:
+        """The judge's base URL (``http://host:port/v1``).
+
+        Raises:
+            paco.judge.client.JudgeError: the local server did not come up (on every process).
+        """
+        from paco.judge.client import JudgeError
+
+        if self._resolved:
+            return self._url
+        error = None
+        if self._server is not None:
+            try:
+                self._url = self._server.wait_ready()
+            except JudgeError as exc:
+                if self._accelerator.num_processes == 1:
+                    raise
+                error = str(exc)  # told to every process below, so none waits forever
+        if self._accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            box = [self._url, error]
+            broadcast_object_list(box, from_process=0)
+            self._url, error = box
+            if error is not None:
+                raise JudgeError(error)
+        self._resolved = True
+        return self._url
+
+
 @contextlib.contextmanager
 def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path | None):
-    """Yield the judge base URL: ``judge_endpoint.url``, or a local ``paco.judge.serve`` started by the main
-    process (the URL is broadcast to the other processes), logging to ``log_dir/judge_server.log``
-    (a persisted directory: the server log of every run is kept)."""
-    from paco.judge.client import JudgeError, LocalJudgeServer
+    """Yield the stage's :class:`JudgeEndpoint`: ``judge_endpoint.url``, or a local ``paco.judge.serve`` that
+    the main process starts now and stops on exit, logging to ``log_dir/judge_server.log`` (a persisted
+    directory: the server log of every run is kept). The server loads while the stage does its own
+    start-up (imports, models); :meth:`JudgeEndpoint.url` waits for it.
+
+    Raises:
+        ArtifactError: no judge model in ``judge_dir`` (and no ``judge_endpoint.url``).
+    """
+    from paco.judge.client import LocalJudgeServer
 
     cfg = params.judge_endpoint
     if cfg.url:
-        yield cfg.url
+        yield JudgeEndpoint(accelerator, url=cfg.url)
         return
     if not (judge_dir / "config.json").is_file():
         raise ArtifactError(f"{judge_dir}: no judge model (run reward_merge, or set judge_endpoint.url)")
     s = cfg.server
     server = None
-    url = error = None
     if accelerator.is_main_process:
         server = LocalJudgeServer(judge_dir, cfg.served_model_name, max_batch_size=s.max_batch_size,
                                   max_wait_ms=s.max_wait_ms, threads=s.threads, startup_timeout_s=s.startup_timeout_s,
@@ -46,30 +91,24 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
                                   # a request the client has given up on is not computed later
                                   request_timeout_s=cfg.timeout_s,
                                   log_path=log_dir / "judge_server.log" if log_dir else None)
-        try:
-            url = server.__enter__()
-        except JudgeError as exc:
-            if accelerator.num_processes == 1:
-                raise
-            server, error = None, str(exc)  # told to every process below, so none waits forever
     try:
-        if accelerator.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            box = [url, error]
-            broadcast_object_list(box, from_process=0)
-            url, error = box
-            if error is not None:
-                raise JudgeError(error)
-        yield url
+        if server is not None:
+            server.start()
+        yield JudgeEndpoint(accelerator, server=server)
     finally:
         accelerator.wait_for_everyone()
         if server is not None:
             server.__exit__(None, None, None)
 
 
-def make_reward_context(params: Params, url: str, clip_dir: Path):
-    """The judge client and CLIP scorer the rewards use."""
+def make_reward_context(params: Params, endpoint: JudgeEndpoint, clip_dir: Path):
+    """The judge client and CLIP scorer the rewards use (CLIP is loaded before waiting for the
+    endpoint, so it loads while a local judge server starts).
+
+    Raises:
+        paco.judge.client.JudgeError: the judge is unreachable or serves another model.
+        ParamsError: ``judge_endpoint.api_key_env`` names an unset variable.
+    """
     from paco.models.clip import ClipScorer
     from paco.judge.client import JudgeClient
     from paco.grpo.rewards import RewardContext
@@ -80,11 +119,12 @@ def make_reward_context(params: Params, url: str, clip_dir: Path):
         api_key = os.environ.get(cfg.api_key_env)
         if not api_key:
             raise ParamsError(f"judge.api_key_env names {cfg.api_key_env!r}, which is not set")
-    client = JudgeClient(url, cfg.served_model_name, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
+    clip = ClipScorer(clip_dir)
+    client = JudgeClient(endpoint.url(), cfg.served_model_name, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
                          retries=cfg.retries,
                          top_logprobs=cfg.top_logprobs, answer_variants=cfg.answer_variants, api_key=api_key)
     client.check_model()
-    return RewardContext(judge=client, clip=ClipScorer(clip_dir), instruction=cfg.instruction,
+    return RewardContext(judge=client, clip=clip, instruction=cfg.instruction,
                          split_method=params.subfigures.method, tolerance=params.subfigures.tolerance)
 
 

@@ -348,10 +348,11 @@ class LocalJudgeServer:
     paco.judge.serve`` (``engine="paco"``), or ``vllm serve`` (``engine="vllm"``, the ``[gpu]``
     extra, a CUDA device; its batching, dtype handling and kernels are vLLM's own).
 
-    ``__enter__`` starts the process, waits until ``/health`` answers (or the process dies, or
-    ``startup_timeout_s`` passes), checks that ``/v1/models`` lists ``served_model_name``, and
-    returns the base URL (``http://127.0.0.1:<port>/v1``). ``__exit__`` stops it (SIGTERM, then
-    SIGKILL after 10 s). The server is started with ``--parent-pid`` of this process, so it also
+    ``__enter__`` is :meth:`start` then :meth:`wait_ready`: it starts the process, waits until
+    ``/health`` answers (or the process dies, or ``startup_timeout_s`` passes from the start),
+    checks that ``/v1/models`` lists ``served_model_name``, and returns the base URL
+    (``http://127.0.0.1:<port>/v1``). Calling the two apart lets the caller do its own start-up
+    while the server loads. ``__exit__`` stops it (SIGTERM, then SIGKILL after 10 s). The server is started with ``--parent-pid`` of this process, so it also
     shuts down when this process dies without reaching ``__exit__`` (SIGKILL, OOM kill). The
     server's log goes to ``log_path`` (default: a temp file), whose tail is quoted if it fails
     to start. ``batching`` and ``max_model_len`` are the server's
@@ -389,6 +390,7 @@ class LocalJudgeServer:
         self.max_model_len = max_model_len
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        self._ready = False
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     def _log_tail(self) -> str:
@@ -398,8 +400,19 @@ class LocalJudgeServer:
             return "(no log)"
 
     def __enter__(self) -> str:
+        self.start()
+        return self.wait_ready()
+
+    def start(self) -> None:
+        """Start the server process and return at once (:meth:`wait_ready` waits for it).
+
+        Raises:
+            RuntimeError: already started.
+        """
+        if self.proc is not None:
+            raise RuntimeError(f"judge server for {self.model_dir} already started")
         self._tmp = tempfile.TemporaryDirectory(prefix="paco-judge-")
-        port_file = Path(self._tmp.name) / "port"
+        self._port_file = port_file = Path(self._tmp.name) / "port"
         self._log_file = self.log_path or Path(self._tmp.name) / "server.log"
         self._log_file.parent.mkdir(parents=True, exist_ok=True)
         preexec = None
@@ -429,7 +442,21 @@ class LocalJudgeServer:
             # vLLM runs its engine in child processes: its own session, so stopping it stops them all
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                          preexec_fn=preexec, start_new_session=self.engine == "vllm")
-        deadline = time.monotonic() + self.startup_timeout_s
+        self._deadline = time.monotonic() + self.startup_timeout_s
+
+    def wait_ready(self) -> str:
+        """Wait until the started server is ready (see the class docstring); its base URL.
+
+        Raises:
+            JudgeError: it exited, was not healthy ``startup_timeout_s`` after :meth:`start`, or
+                serves another name (the server is stopped and its log's tail quoted).
+            RuntimeError: not started.
+        """
+        if self.proc is None:
+            raise RuntimeError(f"judge server for {self.model_dir} not started")
+        if self.url is not None and self._ready:
+            return self.url
+        port_file, deadline = self._port_file, self._deadline
         client: JudgeClient | None = None  # one polling client, closed below
         while True:
             if self.proc.poll() is not None:
@@ -464,6 +491,7 @@ class LocalJudgeServer:
             raise
         finally:
             checker.close()
+        self._ready = True
         log.info("judge server for %s up at %s (pid %d)", self.model_dir, self.url, self.proc.pid)
         return self.url
 
