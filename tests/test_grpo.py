@@ -65,6 +65,18 @@ class _FailingJudge:
         raise JudgeError("judge request to http://127.0.0.1:9/v1/chat/completions failed (no HTTP response)")
 
 
+_SERVED_THREADS: set[str] = set()
+
+
+@R.register("test_red_minus_blue_served", served=True)
+def _red_minus_blue_served(images, prompts, ctx):
+    """test_red_minus_blue, registered as a served reward (scored on a worker thread, as the judge is)."""
+    import threading
+
+    _SERVED_THREADS.add(threading.current_thread().name)
+    return _red_minus_blue(images, prompts, ctx)
+
+
 @R.register("test_nan")
 def _nan(images, prompts, ctx):
     return np.full(len(images), np.nan)
@@ -250,6 +262,25 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_the_policy(red_run, t
     assert redness[True] > redness[False]
 
 
+def test_final_samples_score_the_base_samples_served_rewards_while_the_lora_samples_are_made(red_run,
+                                                                                               tiny_model_dirs):
+    """Each sample's served reward (on the worker thread) is the one of its own image and variant:
+    the same function scored locally gives the same value on every row."""
+    from paco.core.params import FinalSamplesParams
+    from paco.grpo.final_samples import final_samples
+
+    _, _, out = red_run
+    cfg = FinalSamplesParams.model_validate(dict(
+        resolution=64, num_steps=4, seeds_per_prompt=2, batch_size=2, max_sequence_length=32,
+        rewards=["test_red_minus_blue_served", "test_red_minus_blue"]))
+    _SERVED_THREADS.clear()
+    table, _, metrics = final_samples(cfg, _prompts(), tiny_model_dirs["policy_t2is"], out / "lora", R.RewardContext())
+    assert any(t.startswith("served-rewards") for t in _SERVED_THREADS), _SERVED_THREADS
+    assert len(table) == 2 * 2 * 2 and list(table["variant"]) == ["base"] * 4 + ["lora"] * 4
+    assert table["reward_test_red_minus_blue_served"].tolist() == table["reward_test_red_minus_blue"].tolist()
+    assert metrics["rewards"]["test_red_minus_blue_served"]["lora_minus_base"] > 0  # the red LoRA
+
+
 def test_resume_equals_uninterrupted(tiny_model_dirs, tmp_path):
     from safetensors.torch import load_file
 
@@ -290,6 +321,35 @@ def test_resume_equals_uninterrupted(tiny_model_dirs, tmp_path):
     assert [p.name for p in _checkpoints(tmp_path / "ckc")] == ["epoch-0002"]
     s2, s2b = (load_file(str(tmp_path / d / "pytorch_lora_weights.safetensors")) for d in ("c2", "c2b"))
     assert all(torch.equal(s2[k], s2b[k]) for k in s2)
+
+
+def test_without_the_kl_log_the_reference_policy_is_not_run_and_the_lora_is_the_same(tiny_model_dirs, tmp_path,
+                                                                                     monkeypatch):
+    """``beta`` 0 with ``log_kl: false`` skips the reference policy's forward (adapters off), as the
+    reference code does; the KL is then null in the log, and nothing else changes."""
+    from safetensors.torch import load_file
+    from paco.grpo.policies.base import OLD_ADAPTER, Policy
+
+    active: list[str | None] = []
+    using = Policy.using
+    monkeypatch.setattr(Policy, "using", lambda self, adapter: (active.append(adapter), using(self, adapter))[1])
+    prompts, runs = _prompts(), {}
+    for log_kl in (True, False):
+        active.clear()
+        cfg = _cfg(epochs=2, train=dict(log_kl=log_kl))
+        runs[log_kl] = (_train(cfg, prompts, tiny_model_dirs["policy_t2is"], R.RewardContext(),
+                               lora_dir=tmp_path / str(log_kl), checkpoints_dir=tmp_path / f"ck{log_kl}",
+                               plots_dir=tmp_path / f"plots{log_kl}"),
+                        active.count(None), active.count(OLD_ADAPTER))
+    (logged, ref_logged, old_logged), (unlogged, ref_unlogged, old_unlogged) = runs[True], runs[False]
+    # one old-adapter and one reference forward per trained chunk; the old adapter also samples each of the 2 epochs
+    assert ref_unlogged == 0 and old_unlogged == old_logged and ref_logged == old_logged - 2 > 0
+    assert logged["train_final"]["kl"] > 0 and unlogged["train_final"]["kl"] is None
+    assert pd.read_csv(tmp_path / "plotsTrue" / "train.csv")["kl"].gt(0).all()
+    assert pd.read_csv(tmp_path / "plotsFalse" / "train.csv")["kl"].isna().all()
+    a, b = (load_file(str(tmp_path / d / "pytorch_lora_weights.safetensors")) for d in ("True", "False"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert logged["learning_signal"] == unlogged["learning_signal"]
 
 
 def test_a_failing_judge_stops_training_instead_of_scoring_zero(tiny_model_dirs, tmp_path):

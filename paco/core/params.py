@@ -585,7 +585,10 @@ class GrpoTrainParams(_Section):
     batch_size: int = Field(8, ge=1, description="transitions per forward/backward (per process)")
     clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip eps (paper 1e-4)")
     adv_clip_max: float = Field(5.0, gt=0)
-    beta: float = Field(0.0, ge=0, description="KL weight (paper 0; the KL is logged anyway)")
+    beta: float = Field(0.0, ge=0, description="KL weight (paper 0)")
+    log_kl: bool = Field(True, description="with beta 0, still compute the KL to the reference policy for the "
+                         "log (one more no-grad forward per trained transition); false: kl is null in train.csv "
+                         "and metrics, as the reference code logs no KL at beta 0. With beta > 0 it is always computed")
     max_grad_norm: float = Field(1.0, gt=0)
     global_std: bool = Field(True, description="normalise advantages by the batch std (reference default)")
     trained_sde_steps: list[int] | None = Field(

@@ -6,9 +6,11 @@ Deterministic ODE sampling (the paper's evaluation: 20 steps, 1024 px) of every 
 ``stable_seed(seed, "final", p, k)``, the same noise for both variants), once with the base
 policy and once with the LoRA loaded through the pipeline's own ``load_lora_weights`` (exactly
 what a user of the released LoRA does). Every image is cut into its panels (the ``subfigures``
-code; an edit is one panel) and scored with the configured rewards; the metrics compare the two
-variants per reward with a paired t-test over samples (``scipy.stats.ttest_rel``). Editing
-subtasks also get a sheet of ``input | base | LoRA`` triplets (``compare``).
+code; an edit is one panel) and scored with the configured rewards (the judge scores the base
+samples while the LoRA samples are made, :class:`paco.grpo.rewards.OverlappedRewards`); the
+metrics compare the two variants per reward with a paired t-test over samples
+(``scipy.stats.ttest_rel``). Editing subtasks also get a sheet of ``input | base | LoRA``
+triplets (``compare``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from paco.core.seeding import stable_seed
 from paco.core.io import encode_image
 from paco.core.params import FinalSamplesParams
 from paco.grpo.policies import Policy, grid_size, load_policy
-from paco.grpo.rewards import PromptInfo, RewardContext, compute_rewards, subtask_items
+from paco.grpo.rewards import OverlappedRewards, PromptInfo, RewardContext, compute_rewards, subtask_items
 from paco.data.subfigures import crop_panels
 
 log = logging.getLogger("paco.grpo.final_samples")
@@ -103,20 +105,33 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and device.type == "cuda") else torch.float32
     policy = load_policy(cfg.family, policy_dir, None, cfg, dtype=dtype, device=device)
-    rows: list[dict[str, Any]] = []
-    for variant in VARIANTS:
-        if variant == "lora":
-            from diffusers.utils import logging as df_logging
+    my_jobs = [jobs[i] for i in mine]
+    my_infos = [j[0] for j in my_jobs]
+    generated: dict[str, tuple[list[Image.Image], dict[str, np.ndarray]]] = {}
+    # the served rewards (the judge) of the base samples are scored while the LoRA samples are made
+    overlap = OverlappedRewards(list(cfg.rewards), ctx)
+    try:
+        for variant in VARIANTS:
+            if variant == "lora":
+                from diffusers.utils import logging as df_logging
 
-            level = df_logging.get_verbosity()
-            df_logging.set_verbosity_error()  # "no LoRA keys for the text encoder": there are none by design
-            try:
-                policy.pipe.load_lora_weights(str(lora_dir))
-            finally:
-                df_logging.set_verbosity(level)
-        my_jobs = [jobs[i] for i in mine]
-        images = _generate(policy, my_jobs, cfg)
-        rewards = compute_rewards(cfg.rewards, images, [j[0] for j in my_jobs], ctx) if cfg.rewards else {}
+                level = df_logging.get_verbosity()
+                df_logging.set_verbosity_error()  # "no LoRA keys for the text encoder": there are none by design
+                try:
+                    policy.pipe.load_lora_weights(str(lora_dir))
+                finally:
+                    df_logging.set_verbosity(level)
+            images = _generate(policy, my_jobs, cfg)
+            overlap.submit(images, my_infos)
+            local = [n for n in cfg.rewards if n not in overlap.names]
+            generated[variant] = (images, compute_rewards(local, images, my_infos, ctx) if local else {})
+        served = overlap.collect()  # base then LoRA, in submission order
+    finally:
+        overlap.close()
+    rows: list[dict[str, Any]] = []
+    for v, variant in enumerate(VARIANTS):
+        images, rewards = generated[variant]
+        rewards = {**rewards, **{n: x[v * len(images):(v + 1) * len(images)] for n, x in served.items()}}
         for n, (i, (p, k, (h, w)), im) in enumerate(zip(mine, my_jobs, images, strict=True)):
             boxes = ctx.panel_boxes(im, p)
             panels = crop_panels(im, boxes)
@@ -126,7 +141,7 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
                 "variant": variant, "height": h, "width": w, "image": encode_image(im, path=f"{sid}.png"),
                 "panels": [encode_image(c, path=f"{sid}-p{j}.png") for j, c in enumerate(panels)],
                 "bboxes": [list(map(int, b)) for b in boxes],
-                **{f"reward_{name}": float(v[n]) for name, v in rewards.items()},
+                **{f"reward_{name}": float(rewards[name][n]) for name in cfg.rewards},
                 "_pil": im,
             })
     if accelerator is not None and accelerator.num_processes > 1:

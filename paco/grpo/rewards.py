@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,3 +297,42 @@ def compute_rewards(names: Sequence[str], images: Sequence[Image.Image], prompts
                               f"{bad.size} non-finite value(s) in all")
         out[name] = values
     return out
+
+
+class OverlappedRewards:
+    """Scores the served rewards (:data:`SERVED_REWARDS`, the judge) of each
+    prompt's group on one worker thread while the caller samples the next group (the GRPO
+    rollout and evaluation, the final samples), as ddpo-pytorch overlaps its reward server with sampling.
+
+    A served reward gives each sample the same value whichever samples it is called with (the
+    judge server's ``batching: auto`` is batch-invariant), so the rewards, advantages and LoRA
+    equal those of scoring the whole epoch after sampling (tests/test_grpo.py). A server whose
+    scores depend on what shares a batch (vLLM, ``batching: dynamic``) gives run-to-run
+    differences with or without overlap alike. A failure is
+    raised at the next :meth:`submit` or at :meth:`collect`; never turned into a score.
+    """
+
+    def __init__(self, names: Sequence[str], ctx: RewardContext):
+        self.names = [n for n in names if n in SERVED_REWARDS]
+        self.ctx = ctx
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-rewards") if self.names else None
+        self._parts: list[Future] = []
+
+    def submit(self, images: list[Any], infos: list[PromptInfo]) -> None:
+        """Queue one group's images; raises the error of an earlier group that failed."""
+        if self._pool is None or not images:
+            return
+        for done in self._parts:
+            if done.done() and done.exception() is not None:
+                raise done.exception()
+        self._parts.append(self._pool.submit(compute_rewards, self.names, list(images), list(infos), self.ctx))
+
+    def collect(self) -> dict[str, np.ndarray]:
+        """Wait for every group; reward name -> ``(n,)`` float64 in submission order."""
+        parts = [f.result() for f in self._parts]
+        self._parts = []
+        return {n: np.concatenate([p[n] for p in parts]) if parts else np.zeros(0) for n in self.names}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)

@@ -19,7 +19,7 @@ One epoch (the reference trainer's loop, ``train_flux.py`` of X-GenGroup/PaCo-RL
 3. **Reward**: every reward of ``rewards`` (name -> weight) for every decoded grid
    (:mod:`paco.grpo.rewards`); failures raise. With ``rollout.overlap_rewards`` the served
    rewards (the judge) of each prompt's group are scored on a worker thread while the next
-   group is sampled (:class:`OverlappedRewards`), with the same results.
+   group is sampled (:class:`paco.grpo.rewards.OverlappedRewards`), with the same results.
 4. **Advantages**: :func:`paco.grpo.advantages.aggregate` (``aggregation.method``, ``delta``,
    ``train.global_std``), clipped to ``+-train.adv_clip_max``.
 5. **Update**: the epoch's trajectories are shuffled (``default_rng([seed + epoch, 1])``) and cut into
@@ -35,7 +35,9 @@ One epoch (the reference trainer's loop, ``train_flux.py`` of X-GenGroup/PaCo-RL
    two Gaussians per element; the reference divides by ``2 std_t**2 + 1e-7`` instead, a
    ``-dt`` times smaller value, which only rescales ``beta``). ``logp_old`` is recomputed with
    the old adapter on the same inputs, so on the first update of an epoch, where old and
-   trained adapters are equal, the ratio is exactly 1. Gradients are clipped to
+   trained adapters are equal, the ratio is exactly 1. The reference policy (adapters off) is
+   evaluated only where the KL is used: ``beta > 0``, or ``train.log_kl`` for the log (the
+   reference code computes it only at ``beta > 0``). Gradients are clipped to
    ``max_grad_norm``; the EMA of the trained LoRA is updated every ``ema.update_every`` steps.
 6. **Refresh** the old adapter := the trained one (the reference's ``decay_type 0``).
 
@@ -67,7 +69,6 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ from paco.core.stage import broadcast_from_main
 from paco.core.io import write_json
 from paco.core.params import GrpoSubtaskParams, ParamsError
 from paco.grpo.policies import OLD_ADAPTER, TRAINED_ADAPTER, Conditioning, Policy, grid_size, load_policy
-from paco.grpo.rewards import SERVED_REWARDS, PromptInfo, RewardContext, compute_rewards, subtask_items
+from paco.grpo.rewards import OverlappedRewards, PromptInfo, RewardContext, compute_rewards, subtask_items
 from paco.core.run_identity import RunIdentity, launch_parts
 
 log = logging.getLogger("paco.grpo.trainer")
@@ -647,50 +648,11 @@ class Rollout:
     served_wait_s: float = 0.0  # time spent after sampling waiting for the served rewards
 
 
-class OverlappedRewards:
-    """Scores the served rewards (:data:`paco.grpo.rewards.SERVED_REWARDS`, the judge) of each
-    prompt's group on one worker thread while the trainer samples the next group, as
-    ddpo-pytorch overlaps its reward server with sampling.
-
-    A served reward gives each sample the same value whichever samples it is called with (the
-    judge server's ``batching: auto`` is batch-invariant), so the rewards, advantages and LoRA
-    equal those of scoring the whole epoch after sampling (tests/test_grpo.py). A server whose
-    scores depend on what shares a batch (vLLM, ``batching: dynamic``) gives run-to-run
-    differences with or without overlap alike. A failure is
-    raised at the next :meth:`submit` or at :meth:`collect`; never turned into a score.
-    """
-
-    def __init__(self, names: Sequence[str], ctx: RewardContext):
-        self.names = [n for n in names if n in SERVED_REWARDS]
-        self.ctx = ctx
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-rewards") if self.names else None
-        self._parts: list[Future] = []
-
-    def submit(self, images: list[Any], infos: list[PromptInfo]) -> None:
-        """Queue one group's images; raises the error of an earlier group that failed."""
-        if self._pool is None or not images:
-            return
-        for done in self._parts:
-            if done.done() and done.exception() is not None:
-                raise done.exception()
-        self._parts.append(self._pool.submit(compute_rewards, self.names, list(images), list(infos), self.ctx))
-
-    def collect(self) -> dict[str, np.ndarray]:
-        """Wait for every group; reward name -> ``(n,)`` float64 in submission order."""
-        parts = [f.result() for f in self._parts]
-        self._parts = []
-        return {n: np.concatenate([p[n] for p in parts]) if parts else np.zeros(0) for n in self.names}
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-
 def rollout(run: GrpoRun, epoch: int) -> Rollout:
     """Sample the epoch's ``K x G`` trajectories with the old adapter; trajectory ``i`` (prompt
     major) on process ``i % P`` (:func:`epoch_prompts`, :func:`sample_group`). With
     ``rollout.overlap_rewards`` the served rewards of each group are scored while the next
-    one is sampled (:class:`OverlappedRewards`).
+    one is sampled (:class:`paco.grpo.rewards.OverlappedRewards`).
 
     Raises:
         paco.grpo.rewards.RewardError, paco.judge.client.JudgeError: a served reward failed.
@@ -768,8 +730,9 @@ def advantages(run: GrpoRun, rewards: dict[str, np.ndarray], chosen: Sequence[st
 def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: GrpoState) -> dict[str, float]:
     """The epoch's policy update (module docstring, step 5), then the old adapter := trained.
 
-    Returns the summed statistics over processes (``loss``, ``policy_loss``, ``kl``, ``ratio``,
-    ``clipped``, ``n`` transitions) and ``grad_norm`` (mean pre-clip norm over steps).
+    Returns the summed statistics over processes (``loss``, ``policy_loss``, ``kl`` (NaN where
+    not computed: ``beta`` 0 and ``log_kl`` false), ``ratio``, ``clipped``, ``n`` transitions) and
+    ``grad_norm`` (mean pre-clip norm over steps).
 
     Raises:
         FloatingPointError: a non-finite loss.
@@ -778,7 +741,9 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
     by_index = {tj.index: tj for tj in roll.trajectories}
     trained_steps = [j for j, step in enumerate(sorted(cfg.rollout.sde_indices))
                      if t.trained_sde_steps is None or step in t.trained_sde_steps]
-    stats = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0, "n": 0.0}
+    with_kl = t.beta > 0 or t.log_kl  # the reference policy's forward only where the KL is used
+    stats = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0 if with_kl else float("nan"), "ratio": 0.0, "clipped": 0.0,
+             "n": 0.0}
     grad_norms = []
     for step_no, mb in enumerate(minibatches(run.n_traj, t.gradient_steps_per_epoch, cfg.seed, epoch)):
         denom = float(len(mb) * len(trained_steps))
@@ -802,12 +767,13 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
                     with torch.no_grad():
                         with policy.using(OLD_ADAPTER):
                             old_lp, _, _ = policy.transition_log_prob(*args)
-                        with policy.using(None):
-                            _, ref_mean, _ = policy.transition_log_prob(*args)
+                        if with_kl:
+                            with policy.using(None):
+                                _, ref_mean, _ = policy.transition_log_prob(*args)
                     lp, mean, std = policy.transition_log_prob(*args)
                     pl, ratio = clipped_surrogate(lp, old_lp, a, t.clip_range)
-                    kl = gaussian_mean_kl(mean, ref_mean, std)
-                    per = pl + t.beta * kl
+                    kl = gaussian_mean_kl(mean, ref_mean, std) if with_kl else None
+                    per = pl + t.beta * kl if t.beta > 0 else pl
                     loss = per.sum() / denom
                     if not torch.isfinite(loss):
                         raise FloatingPointError(f"non-finite GRPO loss at epoch {epoch + 1}, step {step_no + 1}")
@@ -817,7 +783,8 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
                             state.first_update_ratio_dev.append(float((ratio - 1).abs().max()))
                         stats["loss"] += float(per.sum())
                         stats["policy_loss"] += float(pl.sum())
-                        stats["kl"] += float(kl.sum())
+                        if with_kl:
+                            stats["kl"] += float(kl.sum())
                         stats["ratio"] += float(ratio.sum())
                         stats["clipped"] += float(((ratio - 1).abs() > t.clip_range).float().sum())
                         stats["n"] += len(chunk)
@@ -930,7 +897,7 @@ def epoch_row(run: GrpoRun, epoch: int, rewards: dict[str, np.ndarray], adv: Adv
         "ratio_mean": stats["ratio"] / n,
         "loss": stats["loss"] / n,
         "policy_loss": stats["policy_loss"] / n,
-        "kl": stats["kl"] / n,
+        "kl": stats["kl"] / n if np.isfinite(stats["kl"]) else None,  # None: not computed (train.log_kl)
         "grad_norm": stats["grad_norm"],
     })
     return row
@@ -1101,10 +1068,11 @@ def train_grpo(
         state.epoch = epoch + 1
         state.epochs_this_run += 1
         if run.main:
-            log.info("epoch %d/%d: reward %.4f +- %.4f (%s) | |A| %.3f, clip %.3f, ratio %.5f, kl %.3g, loss %.4g "
+            log.info("epoch %d/%d: reward %.4f +- %.4f (%s) | |A| %.3f, clip %.3f, ratio %.5f, kl %s, loss %.4g "
                      "| %.1f s", state.epoch, cfg.epochs, row["reward"], row["reward_std"],
                      ", ".join(f"{k} {row[f'{k}_mean']:.4f}" for k in cfg.rewards), row["advantage_abs_mean"],
-                     row["clip_fraction"], row["ratio_mean"], row["kl"], row["loss"], time.perf_counter() - t_epoch)
+                     row["clip_fraction"], row["ratio_mean"], "-" if row["kl"] is None else f"{row['kl']:.3g}",
+                     row["loss"], time.perf_counter() - t_epoch)
         if state.epoch == cfg.epochs:
             te = time.perf_counter()
             state.history["eval"].append(evaluate_weights(run, state.epoch))

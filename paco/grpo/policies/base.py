@@ -172,6 +172,9 @@ class Policy(abc.ABC):
     def __init__(self, pipe: Any, lora: Any | None, *, seed: int = 0):
         self.pipe = pipe
         self.transformer = pipe.transformer
+        #: the transformer's dtype, read once (diffusers' ``ModelMixin.dtype`` walks the parameters)
+        self.transformer_dtype: torch.dtype = self.transformer.dtype
+        self._lora_params: list[tuple[str, torch.nn.Parameter]] | None = None
         for name in self.components:
             module = getattr(pipe, name, None)
             if isinstance(module, torch.nn.Module):
@@ -300,9 +303,10 @@ class Policy(abc.ABC):
         """Activate ``adapter``; only its LoRA weights require grad (and only if it is the
         trained one)."""
         self.transformer.set_adapter(adapter)
-        for name, p in self.transformer.named_parameters():
-            if ".lora_" in name:
-                p.requires_grad_(adapter == TRAINED_ADAPTER and f".{TRAINED_ADAPTER}." in name)
+        if self._lora_params is None:  # the adapters are all added in __init__
+            self._lora_params = [(n, p) for n, p in self.transformer.named_parameters() if ".lora_" in n]
+        for name, p in self._lora_params:
+            p.requires_grad_(adapter == TRAINED_ADAPTER and f".{TRAINED_ADAPTER}." in name)
 
     @contextlib.contextmanager
     def using(self, adapter: str | None) -> Iterator[None]:

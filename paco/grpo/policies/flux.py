@@ -83,7 +83,7 @@ class FluxPolicy(Policy):
     # ---------------------------------------------------------------------------- model calls
 
     def _transformer(self, hidden: torch.Tensor, timestep: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        dtype = self.transformer.dtype
+        dtype = self.transformer_dtype
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([hidden.shape[0]], self.guidance_scale, device=hidden.device, dtype=torch.float32)

@@ -122,7 +122,7 @@ class QwenImageEditPolicy(Policy):
 
     def _transformer(self, hidden: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor,
                      mask: torch.Tensor, img_shapes: list[list[tuple[int, int, int]]]) -> torch.Tensor:
-        dtype = self.transformer.dtype
+        dtype = self.transformer_dtype
         return self.transformer(
             hidden_states=hidden.to(dtype),
             timestep=timestep.to(hidden.dtype) / 1000,
