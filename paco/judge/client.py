@@ -352,12 +352,13 @@ class LocalJudgeServer:
     ``/health`` answers (or the process dies, or ``startup_timeout_s`` passes from the start),
     checks that ``/v1/models`` lists ``served_model_name``, and returns the base URL
     (``http://127.0.0.1:<port>/v1``). Calling the two apart lets the caller do its own start-up
-    while the server loads. ``__exit__`` stops it (SIGTERM, then SIGKILL after 10 s). The server is started with ``--parent-pid`` of this process, so it also
-    shuts down when this process dies without reaching ``__exit__`` (SIGKILL, OOM kill). The
-    server's log goes to ``log_path`` (default: a temp file), whose tail is quoted if it fails
-    to start. ``batching`` and ``max_model_len`` are the server's
-    ``--batching`` (default ``auto``: batch-invariant, see :mod:`paco.judge.serve`) and
-    ``--max-model-len`` (``None``: the model's ``max_position_embeddings``). With ``engine="vllm"``
+    while the server loads. ``__exit__`` stops it (SIGTERM, then SIGKILL after 10 s; again is a
+    no-op). The server is started with ``--parent-pid`` of this process, so it also shuts down
+    when this process dies without reaching ``__exit__`` (SIGKILL, OOM kill). The server's log
+    goes to ``log_path`` (default: a temp file), whose tail is quoted if it fails to start.
+    ``batching`` and ``max_model_len`` are the server's ``--batching`` (default ``auto``:
+    batch-invariant, see :mod:`paco.judge.serve`) and ``--max-model-len`` (``None``: the model's
+    ``max_position_embeddings``). With ``engine="vllm"``
     only ``max_logprobs``, ``dtype`` and ``max_model_len`` are passed on; readiness is
     ``/v1/models`` listing the name, and the server gets SIGTERM when this process's thread that
     started it exits (Linux ``PR_SET_PDEATHSIG``).
