@@ -110,6 +110,7 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
     generated: dict[str, tuple[list[Image.Image], dict[str, np.ndarray]]] = {}
     # the served rewards (the judge) of the base samples are scored while the LoRA samples are made
     overlap = OverlappedRewards(list(cfg.rewards), ctx)
+    local = [n for n in cfg.rewards if n not in overlap.names]  # scored here, beside the worker thread
     try:
         for variant in VARIANTS:
             if variant == "lora":
@@ -123,7 +124,6 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
                     df_logging.set_verbosity(level)
             images = _generate(policy, my_jobs, cfg)
             overlap.submit(images, my_infos)
-            local = [n for n in cfg.rewards if n not in overlap.names]
             generated[variant] = (images, compute_rewards(local, images, my_infos, ctx) if local else {})
         served = overlap.collect()  # base then LoRA, in submission order
     finally:

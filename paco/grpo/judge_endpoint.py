@@ -29,9 +29,8 @@ class JudgeEndpoint:
 
     def __init__(self, accelerator, *, url: str | None = None, server=None):
         self._accelerator = accelerator
-        self._url = url
+        self._url = url  # set once known on this process (broadcast from the main one if several)
         self._server = server
-        self._resolved = url is not None
 
     def url(self) -> str:
         """The judge's base URL (``http://host:port/v1``).
@@ -41,7 +40,7 @@ class JudgeEndpoint:
         """
         from paco.judge.client import JudgeError
 
-        if self._resolved:
+        if self._url is not None:
             return self._url
         error = None
         if self._server is not None:
@@ -59,7 +58,6 @@ class JudgeEndpoint:
             self._url, error = box
             if error is not None:
                 raise JudgeError(error)
-        self._resolved = True
         return self._url
 
 

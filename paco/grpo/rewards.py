@@ -300,9 +300,9 @@ def compute_rewards(names: Sequence[str], images: Sequence[Image.Image], prompts
 
 
 class OverlappedRewards:
-    """Scores the served rewards (:data:`SERVED_REWARDS`, the judge) of each
-    prompt's group on one worker thread while the caller samples the next group (the GRPO
-    rollout and evaluation, the final samples), as ddpo-pytorch overlaps its reward server with sampling.
+    """Scores the served rewards (:data:`SERVED_REWARDS`, the judge) of each submitted group of
+    samples on one worker thread while the caller samples the next group (the GRPO rollout and
+    evaluation, the final samples), as ddpo-pytorch overlaps its reward server with sampling.
 
     A served reward gives each sample the same value whichever samples it is called with (the
     judge server's ``batching: auto`` is batch-invariant), so the rewards, advantages and LoRA
