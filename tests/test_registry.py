@@ -136,16 +136,23 @@ def test_dvc_and_snakemake_have_the_same_edges():
     assert ("prompts", "grpo_t2is") in dvc and ("prompts", "grpo_kontext_editing") not in dvc
 
 
-def test_accelerate_stages_check_params_before_launching(tmp_path):
-    """An invalid params file stops an accelerate stage before the launch: one message, exit
-    code 2, no torch-elastic traceback from every process."""
+@pytest.mark.parametrize("processes", [1, 2])
+def test_accelerate_stages_check_params_before_launching(tmp_path, processes):
+    """An invalid params file stops an accelerate stage before the launch, in place or under
+    ``accelerate launch``: one message, exit code 2, no torch-elastic traceback from every
+    process, no stage output."""
     stage = registry.by_name("reward_train")
-    assert stage.cmd.startswith("python -m paco.core.params params.yaml && accelerate launch ")
+    assert stage.cmd.startswith("python -m paco.core.launch --config_file workflow/accelerate/")
+    cmd = (stage.cmd.replace("${resources.stages.reward_train.accelerate_config}", "cpu")
+           .replace("${resources.stages.reward_train.processes}", str(processes)))
+    (tmp_path / "workflow").symlink_to(ROOT / "workflow")
     (tmp_path / "params.yaml").write_text("reward_train: {learning_rate: .inf}\n")
-    cmd = stage.cmd.split(" && ")[0]
-    proc = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
-    assert proc.returncode == 2 and "reward_train.learning_rate" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT),
+                               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "reward_train.learning_rate" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "data").exists()
 
 
 def test_deps_follow_the_params_that_select_them():

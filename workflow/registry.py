@@ -124,8 +124,9 @@ class Stage:
         persist: output directories kept across runs (checkpoints, resumable progress): DVC
             ``persist: true``; Snakemake does not declare them (it would delete them first).
         plots: DVC plot definitions (top-level ``plots:`` entries) for this stage's outputs.
-        launcher: ``python`` or ``accelerate`` (``accelerate launch`` with the stage's
-            ``resources`` process count and accelerate config).
+        launcher: ``python`` or ``accelerate`` (:mod:`paco.core.launch` with the stage's
+            ``resources`` process count and accelerate config: ``accelerate launch`` where the
+            config or the count asks for it, else one process in place).
         foreach: the params section whose keys are the members (``None``: a plain stage).
         stage_plots: DVC stage-level plots ``{path: {"x": col, "y": col}}`` (outputs; usable with
             ``${key}`` in foreach stages, unlike the top-level ``plots``).
@@ -163,9 +164,10 @@ class Stage:
 
     @property
     def code(self) -> tuple[str, ...]:
-        """Project source files the stage runs (:func:`code_closure` of its module and of its
-        :attr:`subprocesses`), sorted."""
-        entries = (f"stages/{self.module or self.name}.py", *self.subprocesses)
+        """Project source files the stage runs (:func:`code_closure` of its module, of its
+        :attr:`subprocesses` and of its launcher, :mod:`paco.core.launch`), sorted."""
+        launcher = ("paco/core/launch.py",) if self.launcher == "accelerate" else ()
+        entries = (f"stages/{self.module or self.name}.py", *self.subprocesses, *launcher)
         return tuple(sorted({f for e in entries for f in code_closure(e)}))
 
     @property
@@ -173,11 +175,10 @@ class Stage:
         module = self.module or self.name
         if self.launcher == "accelerate":
             res = "item.resources" if self.foreach else f"resources.stages.{self.name}"
-            # params are checked before the launch: an invalid file is one clear message and exit
-            # code 2, not a message under torch-elastic's traceback from every process
+            # paco.core.launch checks the params first (one clear message, exit code 2), then runs
+            # one plain process in place or hands the stage to `accelerate launch`
             launch = (
-                f"python -m paco.core.params {PARAMS_FILE} && "
-                f"accelerate launch --config_file workflow/accelerate/${{{res}.accelerate_config}}.yaml "
+                f"python -m paco.core.launch --config_file workflow/accelerate/${{{res}.accelerate_config}}.yaml "
                 f"--num_processes ${{{res}.processes}} -m"
             )
         else:
