@@ -14,10 +14,10 @@ from workflow.registry import STAGES
 
 configfile: "params.yaml"
 
-# The environment reaches every job: the stage commands say `python` and `accelerate`, resolved
-# from the bin directory of the Python that runs Snakemake (a virtual environment need not be
-# activated in the submitting shell, nor exist in the job's login environment; the path must be
-# visible from the compute nodes, as a shared filesystem gives).
+# The environment reaches every job: the stage commands say `python` (accelerate runs as its
+# module), resolved from the bin directory of the Python that runs Snakemake (a virtual
+# environment need not be activated in the submitting shell, nor exist in the job's login
+# environment; the path must be visible from the compute nodes, as a shared filesystem gives).
 shell.prefix(f'export PATH="{Path(sys.executable).parent}:$PATH"; ')
 
 MEMBERS = [m for s in STAGES for m in s.members(config)]
