@@ -39,6 +39,11 @@ def test_only_one_plain_local_process_runs_in_place():
     assert launcher_needed({**cpu, "compute_environment": "AMAZON_SAGEMAKER"}, 1) == "compute_environment AMAZON_SAGEMAKER"
     assert launcher_needed({**cpu, "distributed_type": "XLA"}, 1) == "distributed_type XLA"
     assert launcher_needed({**cpu, "fp8_config": {"backend": "TE"}}, 1) == "fp8_config"
+    assert launcher_needed({**cpu, "gpu_ids": "1"}, 1) == "gpu_ids 1"
+    assert launcher_needed({**cpu, "dynamo_backend": "inductor"}, 1) == "dynamo backend INDUCTOR"
+    assert launcher_needed({**cpu, "debug": True}, 1) == "debug"
+    assert launcher_needed({**cpu, "ipex_config": {"ipex": True}}, 1) == "ipex_config"  # a key it does not know
+    assert launcher_needed({**cpu, "fsdp_config": {}}, 1) is None  # empty: nothing asked
     assert launcher_needed({"distributed_type": "NO"}, 1) is None  # a minimal config
 
 

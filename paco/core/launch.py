@@ -1,14 +1,15 @@
 """Stage launcher: ``python -m paco.core.launch --config_file CFG --num_processes N -m MODULE ARGS``.
 
 Every stage that shards its work over processes has this command (``workflow/registry.py``).
-It
+The launcher
 
 1. validates the stage's ``--params`` file (:func:`paco.core.params.main`): an invalid file is
    one clear message and exit code 2 before any process starts, not a message under
    torch-elastic's traceback from every process;
 2. with ``N > 1``, or with an accelerate config that asks more of its launcher than one plain
    local process (:func:`launcher_needed`: several machines, mixed precision, FSDP, DeepSpeed,
-   Megatron-LM, a dynamo backend, another compute environment), replaces itself with
+   Megatron-LM, a dynamo backend, a GPU subset, another compute environment, any key it does
+   not know), replaces itself with
    ``accelerate launch --config_file CFG --num_processes N -m MODULE ARGS`` (``os.execv``, the
    same process id, so a scheduler's signals reach it);
 3. otherwise runs ``MODULE`` in this process, as ``python -m MODULE ARGS`` does (``runpy``).
@@ -18,9 +19,10 @@ It
    every artifact of the embedded default). This saves the launcher's own process: its torch
    import and torch-elastic agent, about 3 s per stage on 2 CPU cores.
 
-   The one variable accelerate's launcher sets that such a process can see is
-   ``OMP_NUM_THREADS`` (libgomp's default team size for threads other than the one that set
-   torch's thread count). Unless it is set, it gets accelerate's value
+   Of the variables accelerate's launcher sets for such a process, the mixed-precision and
+   dynamo ones hold their defaults and the torch-elastic ones make the gloo group of one; the
+   one left is ``OMP_NUM_THREADS`` (libgomp's default team size for threads other than the
+   one that set torch's thread count). Unless it is set, it gets accelerate's value
    (:func:`accelerate_omp_threads`).
 
 Exit codes: the stage's own (2: invalid params, a bad input artifact), or accelerate's.
@@ -40,8 +42,15 @@ import yaml
 #: accelerate config ``distributed_type`` values whose one local process is a plain process.
 PLAIN_DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU")
 
-#: config keys whose presence (non-empty) means the launcher must prepare the process.
-LAUNCHER_SECTIONS = ("fsdp_config", "deepspeed_config", "megatron_lm_config", "fp8_config")
+#: config keys that, at their plain values (checked in :func:`launcher_needed`), give one local
+#: process nothing a plain ``python -m`` process lacks; any other key set to a true value (an
+#: ``fsdp_config``, a ``deepspeed_config``, ...) sends the stage to ``accelerate launch``.
+PLAIN_KEYS = frozenset({
+    "compute_environment", "distributed_type", "num_machines", "num_processes", "machine_rank",
+    "main_process_ip", "main_process_port", "rdzv_backend", "same_network", "gpu_ids", "mixed_precision",
+    "use_cpu", "dynamo_config", "dynamo_backend", "debug", "enable_cpu_affinity", "downcast_bf16",
+    "main_training_function", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
+})
 
 
 class LaunchError(ValueError):
@@ -65,10 +74,11 @@ def read_accelerate_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def launcher_needed(config: Mapping[str, Any], num_processes: int) -> str | None:
-    """Why ``accelerate launch`` must start this stage (a short reason), or ``None`` when one
-    plain local process is what it would start: ``num_processes`` 1, one machine, a local
-    compute environment, ``distributed_type`` in :data:`PLAIN_DISTRIBUTED_TYPES`, no mixed
-    precision, no dynamo backend and none of :data:`LAUNCHER_SECTIONS`."""
+    """Why ``accelerate launch`` must start this stage (a short reason), or ``None`` when what it
+    would start is one plain local process: ``num_processes`` 1, one machine, a local compute
+    environment, ``distributed_type`` in :data:`PLAIN_DISTRIBUTED_TYPES`, all GPUs visible
+    (``gpu_ids: all``), no mixed precision, no dynamo backend, no debug mode, no CPU affinity,
+    and no key outside :data:`PLAIN_KEYS` set (FSDP, DeepSpeed, Megatron-LM, FP8, IPEX, ...)."""
     if num_processes != 1:
         return f"{num_processes} processes"
     if int(config.get("num_machines") or 1) != 1:
@@ -79,16 +89,25 @@ def launcher_needed(config: Mapping[str, Any], num_processes: int) -> str | None
     kind = str(config.get("distributed_type", "NO"))
     if kind not in PLAIN_DISTRIBUTED_TYPES:
         return f"distributed_type {kind}"
+    gpus = str(config.get("gpu_ids") or "all")
+    if gpus != "all":
+        return f"gpu_ids {gpus}"  # the launcher sets CUDA_VISIBLE_DEVICES
     mixed = str(config.get("mixed_precision") or "no").lower()
     if mixed != "no":
         return f"mixed_precision {mixed}"
     dynamo = config.get("dynamo_config") or {}
-    backend = str(dynamo.get("dynamo_backend", "NO")).upper() if isinstance(dynamo, dict) else "?"
+    backend = dynamo.get("dynamo_backend", "NO") if isinstance(dynamo, dict) else "?"
+    backend = str(config.get("dynamo_backend") or backend).upper()
     if backend != "NO":
         return f"dynamo backend {backend}"
-    for section in LAUNCHER_SECTIONS:
-        if config.get(section):
-            return section
+    for key in ("debug", "enable_cpu_affinity", "tpu_use_cluster", "tpu_use_sudo", "tpu_env"):
+        if config.get(key):
+            return key
+    if str(config.get("downcast_bf16") or "no").lower() not in ("no", "false"):
+        return "downcast_bf16"
+    for key in sorted(set(config) - PLAIN_KEYS):
+        if config[key]:
+            return key
     return None
 
 
