@@ -74,6 +74,7 @@ def test_command_parsing():
     assert params_path(["--out", "o", "--params", "p.yaml"]) == "p.yaml"
     assert params_path(["--params=q.yaml"]) == "q.yaml"
     assert params_path(["--out", "o"]) == "params.yaml"
+    assert params_path(["--prompts", "x.parquet", "--par", "r.yaml"]) == "r.yaml"  # argparse's prefixes, as the stage
 
 
 def test_a_missing_config_is_one_message(tmp_path, capsys):

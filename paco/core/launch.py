@@ -143,14 +143,11 @@ def split_command(argv: list[str]) -> tuple[list[str], str, list[str]]:
 
 
 def params_path(stage_args: list[str]) -> str:
-    """The stage's ``--params`` value (``--params X`` or ``--params=X``; default ``params.yaml``,
-    the stages' own default)."""
-    for i, arg in enumerate(stage_args):
-        if arg == "--params" and i + 1 < len(stage_args):
-            return stage_args[i + 1]
-        if arg.startswith("--params="):
-            return arg.split("=", 1)[1]
-    return "params.yaml"
+    """The stage's ``--params`` value, read as the stage's own argparse parser reads it
+    (:func:`paco.core.stage.parser`: ``--params X``, ``--params=X``, default ``params.yaml``)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--params", default="params.yaml")
+    return parser.parse_known_args(stage_args)[0].params
 
 
 def main(argv: list[str] | None = None) -> int:
