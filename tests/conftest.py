@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from paco.core.stage import fix_numerics_env
+from paco.core.numerics import require_fixed_numerics
 
 # this process computes what stage processes compute (and compares bytes): the same CPU code
-# paths and thread settings as theirs, set before any test imports torch
-fix_numerics_env()
+# paths and thread settings as theirs, set before any test imports numpy, scipy or torch (and
+# inherited by every subprocess a test starts)
+require_fixed_numerics()
 
 #: role -> tiny spec, as in params.yaml's embedded default (``models:``).
 TINY_ROLES = {"judge_base": "tiny:qwen2_5_vl", "policy_t2is": "tiny:flux", "policy_kontext": "tiny:flux_kontext",

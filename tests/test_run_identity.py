@@ -141,9 +141,12 @@ def test_launch_parts_name_the_settings_cpu_kernels_round_by(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     monkeypatch.delenv("MKL_CBWR", raising=False)
+    monkeypatch.setenv("NPY_DISABLE_CPU_FEATURES", "X86_V4")
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
     cpu = launch_parts(2, "cpu")
     assert cpu == {"num_processes": 2, "device": "cpu",
-                   "cpu_numerics": f"threads={threads} ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=unset"}
+                   "cpu_numerics": f"threads={threads} ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=unset "
+                                   "NPY_DISABLE_CPU_FEATURES=X86_V4 OPENBLAS_CORETYPE=unset"}
     # GPU kernels read none of them
     assert launch_parts(2, "cuda") == {"num_processes": 2, "device": "cuda"}
     base = RunIdentity("grpo@t2is", {"params:grpo.t2is": "x"})
@@ -156,6 +159,9 @@ def test_launch_parts_name_the_settings_cpu_kernels_round_by(monkeypatch):
     assert more_threads.digest != digest and base.extended(**launch_parts(2, "cpu")).digest == digest
     assert more_threads.changed(base.extended(**cpu).parts) == ["extra:cpu_numerics"]
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    assert base.extended(**launch_parts(2, "cpu")).changed(base.extended(**cpu).parts) == ["extra:cpu_numerics"]
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("NPY_DISABLE_CPU_FEATURES", "")  # numpy's AVX-512 paths: another run
     assert base.extended(**launch_parts(2, "cpu")).changed(base.extended(**cpu).parts) == ["extra:cpu_numerics"]
 
 

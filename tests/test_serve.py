@@ -123,24 +123,28 @@ def test_logprobs_do_not_depend_on_the_batch(judge, batching):
         triples.insert(pos, target)
         results, sizes = _batch_rows(judge, triples, batching, n_vocab)
         assert results[pos] == alone  # (token id, logprob, [(id, logprob), ...]) exactly
-        assert sum(sizes) == len(triples)
-        if batching == "auto":  # same_shape on CPU: the target shared its pass with its shape
-            assert max(sizes) >= 2 and len(sizes) < len(triples)
-        else:
-            assert sizes == [1] * len(triples)
+        assert sizes == [1] * len(triples)  # auto is single: a pass per request, on any device
 
 
-def test_small_panels_score_the_same_alone_and_batched(judge):
+def test_small_panels_get_the_same_vision_features_alone_and_batched(judge):
     """GRPO's 128 px grids give 64 px panels: 8 merged vision tokens per image, where CPU GEMM
     kernels for few rows round differently from the batch's (the vision tower batched changed the
-    logits by ~3e-6, and GRPO with overlapped rewards differed from GRPO without). The tower runs
-    per row, so a row's logits are bit-identical alone and in batches of 2 to 32."""
+    logits by ~3e-6). In a batched forward pass (``same_shape``, ``Judge.score``) the tower runs
+    per row, so each row's image features are bit-identical to its own, alone: the same calls
+    with the same shapes."""
     ims = _images(34, seed=5, size=(64, 64))
     encodings = [judge.encode([(ims[i], ims[i + 1], judge_instruction(None))]) for i in range(33)]
-    alone = judge.logits(encodings[0])
+
+    def features(enc):
+        return judge.image_features(enc["input_ids"], enc["pixel_values"], enc["image_grid_thw"]).pooler_output
+
+    alone = [features(e) for e in encodings[:8]]
     for n in (2, 3, 8, 32):
         batch = {k: torch.cat([e[k] for e in encodings[:n]]) for k in encodings[0]}
-        assert torch.equal(judge.logits(batch)[:1], alone), n
+        together = features(batch)
+        assert len(together) == 2 * n
+        for i in range(min(n, 8)):
+            assert all(torch.equal(a, b) for a, b in zip(together[2 * i:2 * i + 2], alone[i], strict=True)), (n, i)
 
 
 def test_requests_with_different_image_grids_are_scored_alone(judge):
@@ -154,8 +158,8 @@ def test_requests_with_different_image_grids_are_scored_alone(judge):
     grids = judge.encode([triples[0]])["image_grid_thw"].tolist()
     assert grids[0] != grids[1]
     n_vocab = len(judge.processor.tokenizer)
-    alone = [_batch_rows(judge, [t], "auto", n_vocab)[0][0] for t in triples]
-    together, sizes = _batch_rows(judge, triples + [(square[0], square[1], text)] * 2, "auto", n_vocab)
+    alone = [_batch_rows(judge, [t], "single", n_vocab)[0][0] for t in triples]
+    together, sizes = _batch_rows(judge, triples + [(square[0], square[1], text)] * 2, "same_shape", n_vocab)
     assert together[:8] == alone
     assert sorted(sizes) == [1] * 8 + [2]  # the uniform-grid requests still share a pass
 
@@ -235,7 +239,7 @@ def test_protocol_endpoints_and_errors(server):
     assert client.served_models() == [NAME]
     client.check_model()
     health = client.health()
-    assert health["status"] == "ok" and health["batching"] == "same_shape" and health["max_model_len"] == 4096
+    assert health["status"] == "ok" and health["batching"] == "single" and health["max_model_len"] == 4096
     with pytest.raises(JudgeError, match="serves"):
         JudgeClient(url, "other-name", retries=0).check_model()
     a, b = _images(2)

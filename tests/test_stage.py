@@ -105,54 +105,87 @@ def test_stage_processes_turn_openmp_dynamic_team_sizes_off(entry, expected):
 
 
 def test_fix_numerics_env_pins_the_cpu_paths_only_where_it_is_safe(monkeypatch):
-    import paco.core.stage as stage
+    import paco.core.numerics as numerics
 
     flags = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma avx512f\n"
-    assert stage.cpu_has_avx2("x86_64", flags) and stage.cpu_has_avx2("AMD64", flags)
-    assert not stage.cpu_has_avx2("x86_64", flags.replace(" avx2", ""))  # an older x86-64: would crash
-    assert not stage.cpu_has_avx2("aarch64", flags) and not stage.cpu_has_avx2("x86_64", "no flags line")
+    assert numerics.cpu_has_avx2("x86_64", flags) and numerics.cpu_has_avx2("AMD64", flags)
+    assert not numerics.cpu_has_avx2("x86_64", flags.replace(" avx2", ""))  # an older x86-64: would crash
+    assert not numerics.cpu_has_avx2("aarch64", flags) and not numerics.cpu_has_avx2("x86_64", "no flags line")
 
-    monkeypatch.setattr(stage, "cpu_has_avx2", lambda: True)
+    monkeypatch.setattr(numerics, "cpu_has_avx2", lambda: True)
     env = {"OMP_DYNAMIC": "true", "MKL_CBWR": "AUTO"}  # a user's own MKL setting is kept, threads are not
-    set_now = stage.fix_numerics_env(env)
-    assert env == {**stage.FIXED_THREAD_ENV, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                   "MKL_CBWR": "AUTO"}
-    assert "MKL_CBWR" not in set_now
-    monkeypatch.setattr(stage, "cpu_has_avx2", lambda: False)
+    set_now = numerics.fix_numerics_env(env)
+    assert env == {**numerics.FIXED_THREAD_ENV, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                   "MKL_CBWR": "AUTO", "NPY_DISABLE_CPU_FEATURES": numerics.numpy_disabled_targets(),
+                   "OPENBLAS_CORETYPE": "Haswell"}
+    assert "MKL_CBWR" not in set_now and set_now["OMP_DYNAMIC"] == "false"
+    assert numerics.fix_numerics_env(env) == {}  # what already has its value is not set again
+    monkeypatch.setattr(numerics, "cpu_has_avx2", lambda: False)
     env = {}
-    stage.fix_numerics_env(env)
-    assert env == stage.FIXED_THREAD_ENV
+    numerics.fix_numerics_env(env)
+    assert env == numerics.FIXED_THREAD_ENV
+
+
+def test_numpy_dispatch_targets_are_named_as_each_numpy_names_them():
+    from paco.core.numerics import numpy_disabled_targets
+
+    assert numpy_disabled_targets("2.4.6") == numpy_disabled_targets("3.0.0") == "X86_V4 AVX512_ICL AVX512_SPR"
+    legacy = numpy_disabled_targets("1.26.4").split()
+    assert legacy == numpy_disabled_targets("2.3.5").split() and {"AVX512F", "AVX512_SKX", "AVX512_SPR"} <= set(legacy)
+
+
+def test_a_variable_set_after_its_library_was_loaded_is_named():
+    from paco.core.numerics import loaded_too_late
+
+    set_now = {"NPY_DISABLE_CPU_FEATURES": "X86_V4", "OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2",
+               "OMP_DYNAMIC": "false"}
+    assert loaded_too_late(set_now, {}) == []
+    # ATen reads its capability at the first op, not at import: never too late here
+    assert loaded_too_late(set_now, {"scipy": 1, "torch": 1}) == ["OMP_DYNAMIC", "OPENBLAS_CORETYPE"]
+    assert loaded_too_late(set_now, {"numpy": 1}) == ["NPY_DISABLE_CPU_FEATURES", "OPENBLAS_CORETYPE"]
 
 
 _KERNELS = """
-import hashlib, sys
+import hashlib, json, sys
 if sys.argv[1] == "stage":
     import stages  # noqa: F401  (what `python -m stages.<name>` imports first)
+import numpy as np
 import torch
+from paco.core.numerics import numerics_info
 torch.manual_seed(0)
 x = torch.randn(4, 8, 16, 16)
 conv = torch.nn.Conv2d(8, 8, 3)
 y = torch.cat([torch.softmax(x, -1).flatten(), torch.nn.functional.gelu(x).flatten(), conv(x).flatten()])
-print(torch.backends.cpu.get_cpu_capability(), hashlib.md5(y.detach().numpy().tobytes()).hexdigest())
+# numpy: transcendental ufuncs (SVML on AVX-512), a sort with ties, an OpenBLAS GEMM
+a = np.random.default_rng(0).standard_normal(4096)
+z = np.concatenate([np.sin(a * 50), np.exp(a), np.log1p(np.abs(a)), np.tanh(a).astype(np.float32).astype(float),
+                    np.argsort(np.round(a, 1)).astype(float), (a[:1024].reshape(32, 32) @ a[1024:2048].reshape(32, 32)).ravel()])
+info = numerics_info()
+print(json.dumps({"torch": [info["torch_cpu_capability"], hashlib.md5(y.detach().numpy().tobytes()).hexdigest()],
+                  "numpy": [info["numpy_dispatch"], sorted(set(info["openblas"].values())), hashlib.md5(z.tobytes()).hexdigest()]}))
 """
 
 
 def test_stage_processes_run_the_same_cpu_code_paths_on_any_x86_64_cpu():
-    """A stage process computes with the AVX2 kernels of torch, oneDNN and MKL wherever the CPU
-    has AVX2, whatever wider paths it also has: the bytes equal those of a process told to use
-    the AVX2 paths. (On an AVX-512 CPU the bare interpreter's softmax, GELU and convolution
-    bytes differ from these; on an AVX2-only CPU they are the same.)"""
-    from paco.core.stage import FIXED_CPU_ISA_ENV, cpu_has_avx2
+    """A stage process computes with the AVX2 kernels of torch, oneDNN, MKL, numpy and OpenBLAS
+    wherever the CPU has AVX2, whatever wider paths it also has: the bytes equal those of a
+    process told to use the AVX2 paths, and the libraries report those paths. (On an AVX-512 CPU
+    the bare interpreter's softmax, GELU, convolution, sine and GEMM bytes differ from these; on
+    an AVX2-only CPU they are the same.)"""
+    from paco.core.numerics import FIXED_CPU_ISA_ENV, cpu_has_avx2, cpu_isa_env
 
     if not cpu_has_avx2():
-        pytest.skip("not an x86-64 CPU with AVX2: the CPU paths are left to torch")
+        pytest.skip("not an x86-64 CPU with AVX2: the CPU paths are left to the libraries")
     bare = {k: v for k, v in os.environ.items() if k not in FIXED_CPU_ISA_ENV}
     root = Path(__file__).resolve().parents[1]
 
-    def run_(entry: str, env: dict[str, str]) -> list[str]:
-        return subprocess.run([sys.executable, "-c", _KERNELS, entry], env=env, capture_output=True, text=True,
-                              check=True, cwd=root).stdout.split()
+    def run_(entry: str, env: dict[str, str]) -> dict:
+        return json.loads(subprocess.run([sys.executable, "-c", _KERNELS, entry], env=env, capture_output=True,
+                                         text=True, check=True, cwd=root).stdout.splitlines()[-1])
 
     stage_out = run_("stage", bare)
-    assert stage_out == run_("bare", {**bare, **FIXED_CPU_ISA_ENV})
-    assert stage_out[0] == "AVX2"
+    assert stage_out == run_("bare", {**bare, **cpu_isa_env()})
+    assert stage_out["torch"][0] == "AVX2"
+    dispatch, openblas, _ = stage_out["numpy"]
+    assert not [t for t in dispatch if "512" in t or t == "X86_V4"], dispatch
+    assert openblas == ["Haswell"]

@@ -39,6 +39,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from paco.core.numerics import fix_numerics_env
+
 #: accelerate config ``distributed_type`` values whose one local process is a plain process.
 PLAIN_DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU")
 
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the launch described in the module docstring; returns the exit code (the in-process
     stage's ``SystemExit`` code; an exec does not return)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # first, before the params check imports numpy and torch: the stage (in this process or
+    # under accelerate launch) runs the fixed CPU code paths (paco.core.numerics)
+    fix_numerics_env()
     try:
         launcher_args, module, stage_args = split_command(argv)
         parser = argparse.ArgumentParser(prog="python -m paco.core.launch",

@@ -447,10 +447,11 @@ class JudgeServerParams(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_logprobs: int = Field(20, ge=1, description="largest top_logprobs served (vLLM's --max-logprobs)")
     batching: Literal["auto", "same_shape", "single", "dynamic"] = Field(
-        "auto", description="how concurrent requests share forward passes: same_shape (only identical "
-        "encodings, unpadded) and single keep every request's logprobs independent of its batch, bit for "
-        "bit (GRPO is reproducible); dynamic pads mixed batches (faster, batch-dependent); auto: same_shape "
-        "on CPU, single elsewhere")
+        "auto", description="how concurrent requests share forward passes: single (one request per pass) "
+        "keeps every request's logprobs independent of what else is queued, bit for bit, on any device and "
+        "CPU (GRPO is reproducible); same_shape (identical encodings share an unpadded pass) is faster, and "
+        "bit-invariant only where the CPU's GEMM kernels round a row alike at any row count; dynamic pads "
+        "mixed batches (fastest, batch-dependent); auto: single")
     max_model_len: int | None = Field(None, ge=2, description="context limit below the model's "
                                       "max_position_embeddings (vLLM's --max-model-len); longer prompts are refused")
 

@@ -163,18 +163,19 @@ def launch_parts(num_processes: int, device_type: str) -> dict[str, Any]:
     """A trainer's own identity parts (for :meth:`RunIdentity.extended`): ``num_processes``,
     ``device`` (``"cpu"``, ``"cuda"``, ...) and, on CPU, ``cpu_numerics``: torch's intra-op
     threads in this process (call it after the trainer set them) and the CPU code-path variables
-    of :data:`paco.core.stage.FIXED_CPU_ISA_ENV` (``unset`` where unset), e.g.
-    ``"threads=2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2"``.
+    of :data:`paco.core.numerics.FIXED_CPU_ISA_ENV` (``unset`` where unset), e.g.
+    ``"threads=2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2
+    NPY_DISABLE_CPU_FEATURES=X86_V4 AVX512_ICL AVX512_SPR OPENBLAS_CORETYPE=Haswell"``.
 
     CPU reductions are split per thread and each code path rounds its own way
-    (:mod:`paco.core.stage`), so a checkpoint written under other settings would continue on
+    (:mod:`paco.core.numerics`), so a checkpoint written under other settings would continue on
     numbers that neither an uninterrupted run under the old settings nor one under the new ones
     computes: it is not resumed. (GPU kernels do not read these settings.)"""
     parts: dict[str, Any] = {"num_processes": num_processes, "device": device_type}
     if device_type == "cpu":
         import torch
 
-        from paco.core.stage import FIXED_CPU_ISA_ENV
+        from paco.core.numerics import FIXED_CPU_ISA_ENV
 
         parts["cpu_numerics"] = " ".join([f"threads={torch.get_num_threads()}",
                                           *(f"{k}={os.environ.get(k, 'unset')}" for k in FIXED_CPU_ISA_ENV)])

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from paco.core.io import ArtifactError, write_json
+from paco.core.numerics import FIXED_CPU_ISA_ENV, FIXED_THREAD_ENV, numerics_info
 from paco.core.params import Params, ParamsError, load_params
 
 log = logging.getLogger("paco")
@@ -50,57 +51,6 @@ def seed_everything(seed: int) -> None:
         import torch
 
         torch.manual_seed(seed)
-
-
-# A stage's floating-point results depend on how many threads each OpenMP region gets (CPU
-# reductions are split per thread). With dynamic adjustment on, libgomp sizes each region from the
-# machine's load average (cores minus load) and MKL picks its own count, so the same run gives
-# different bytes on a busy machine: with ``OMP_DYNAMIC=true`` and a loaded CPU, reward_train's
-# loss changes in its 3rd step (measured, torch 2.13). Stage processes and the judge server run
-# with these variables, set before torch is imported (libgomp reads them when it is loaded).
-FIXED_THREAD_ENV = {"OMP_DYNAMIC": "false", "MKL_DYNAMIC": "false"}
-
-# The same run gives different bytes on different x86-64 CPUs too: torch's vectorised kernels
-# (softmax, ...), oneDNN's (convolution, GELU) and MKL's GEMM pick their code path from the
-# CPU's instruction set, and the paths round differently. Measured on the embedded default
-# (torch 2.13): an AVX-512 AMD EPYC trains a different judge than the AVX2 paths do (held-out
-# ConsistencyRank accuracy 0.446 vs 0.449) and everything downstream differs. With these
-# variables every CPU that has AVX2 runs the AVX2 paths (MKL's conditional numerical
-# reproducibility branch), so a CPU run's bytes do not depend on the machine. They only touch
-# CPU kernels (a GPU run is unaffected) and are defaults: a variable already set is kept.
-FIXED_CPU_ISA_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
-
-
-def cpu_has_avx2(machine: str | None = None, cpuinfo: str | None = None) -> bool:
-    """Whether this is an x86-64 CPU with AVX2 and FMA (``platform.machine()`` and the
-    ``/proc/cpuinfo`` flags, or the given ones; ``False`` where they cannot be read): forcing
-    the AVX2 paths on a CPU without them would crash the process."""
-    import platform
-
-    machine = platform.machine() if machine is None else machine
-    if machine.lower() not in ("x86_64", "amd64"):
-        return False
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return {"avx2", "fma"} <= set(line.split(":", 1)[1].split())
-    return False
-
-
-def fix_numerics_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Set the variables a stage's bytes depend on in ``environ`` (default ``os.environ``), before
-    torch is imported: :data:`FIXED_THREAD_ENV` always, :data:`FIXED_CPU_ISA_ENV` where the
-    CPU has AVX2 and the variable is unset. Returns what it set."""
-    env = os.environ if environ is None else environ
-    set_now = dict(FIXED_THREAD_ENV)
-    if cpu_has_avx2():
-        set_now.update({k: v for k, v in FIXED_CPU_ISA_ENV.items() if k not in env})
-    env.update(set_now)
-    return set_now
 
 
 def cpu_threads_per_process(local_processes: int) -> int:
@@ -137,13 +87,15 @@ def launch_info() -> dict[str, Any]:
     ``SLURM_CPUS_PER_TASK``; the CPU count is ``None`` when the job did not ask per task);
     ``threads``: torch's intra-op threads in this process (``None`` if the stage never imported
     torch) and the variables a stage's bytes depend on (``PACO_NUM_THREADS``,
-    ``OMP_NUM_THREADS``, ``OMP_DYNAMIC``, ``MKL_DYNAMIC``, the CPU code paths of
-    :data:`FIXED_CPU_ISA_ENV`; ``None`` when unset)."""
+    ``OMP_NUM_THREADS``, ``OMP_DYNAMIC``, ``MKL_DYNAMIC``, the CPU code-path variables of
+    :data:`paco.core.numerics.FIXED_CPU_ISA_ENV`; ``None`` when unset); ``numerics``: the code
+    paths the loaded libraries actually run (:func:`paco.core.numerics.numerics_info`)."""
     info: dict[str, Any] = {"processes": int(os.environ.get("WORLD_SIZE", "1"))}
     torch = sys.modules.get("torch")
     info["threads"] = {"torch": torch.get_num_threads() if torch is not None else None,
                        **{k: os.environ.get(k) for k in ("PACO_NUM_THREADS", "OMP_NUM_THREADS", *FIXED_THREAD_ENV,
                                                          *FIXED_CPU_ISA_ENV)}}
+    info["numerics"] = numerics_info()
     if "SLURM_JOB_ID" in os.environ:
         cpus = os.environ.get("SLURM_CPUS_PER_TASK")
         info["slurm"] = {"job_id": os.environ["SLURM_JOB_ID"], "node": os.environ.get("SLURMD_NODENAME"),

@@ -41,7 +41,7 @@ from typing import Any
 
 from PIL import Image
 
-from paco.core.stage import fix_numerics_env
+from paco.core.numerics import fix_numerics_env
 from paco.judge.model import canonical_answer
 from paco.judge.templates import NO, YES, build_openai_messages, openai_error_message, openai_retries, png_bytes
 

@@ -41,21 +41,21 @@ requests until ``max_batch_size`` are collected or ``max_wait_ms`` have passed s
 or no other request is being read or prepared (a lone request is not kept waiting).
 What it does with them depends on the mode:
 
+* ``single``: every request is its own forward pass, without waiting ``max_wait_ms``. Nothing in
+  a request's computation depends on what else is queued, so its log-probs are bit-identical
+  however requests arrive, on any backend and any CPU (a forward pass of one request has the
+  same shapes, hence the same kernels, whatever the batch; on CUDA, cuBLAS may choose another
+  kernel per batch size). The server still overlaps decoding and encoding the next requests
+  with the forward pass.
+* ``auto`` (default): ``single``, on every device.
 * ``same_shape``: requests whose encodings have identical shapes (token count, image grids,
   pixel rows) are concatenated along the batch and scored in one forward pass, each other
-  shape in its own; a request whose two images have different grids (e.g. 32x32 and 32x31 px
-  panels of a grid cut at its separator bands) is always scored alone, because the vision
-  tower's result for it changes inside any batch. Nothing is padded, the vision tower runs per
-  request (:meth:`paco.judge.model.Judge.logits`: CPU GEMM kernels round few-row products
-  differently, and a 64 px panel has only 8 merged tokens), and every row goes through the same
-  per-row computation whatever the batch, so a request's log-probs are bit-identical whether it
-  is scored alone or with any others (on CPU: checked for batches of 1 to 32 with 1 and 2 torch
-  threads, and tests/test_serve.py; GRPO's concurrent requests, the pairs of one grid with one
-  theme, mostly share a shape).
-* ``single``: every request is its own forward pass, without waiting ``max_wait_ms``
-  (bit-invariant on any backend, including CUDA, where cuBLAS may choose a different kernel per
-  batch size; slower).
-* ``auto`` (default): ``same_shape`` on CPU, ``single`` on any other device.
+  shape in its own; a request whose two images have different grids is always scored alone.
+  Nothing is padded and the vision tower runs per request (:meth:`paco.judge.model.Judge.logits`),
+  but the language model's GEMMs see ``n`` times the rows, and whether a row then rounds as it
+  does alone is the CPU's GEMM kernels' choice, not this code's: bit-identical on the AVX2 and
+  AVX-512 hosts measured, ~1.2e-7 apart on an AVX-512/AMX Intel host. Faster (about 1.4x on
+  64 px panels, tiny judge, 1 thread); not for runs that must give the same bytes everywhere.
 * ``dynamic``: all collected requests encoded together, left-padded, in one forward pass (the
   fastest, but a request's logits then depend on the others through padding, by up to ~3e-6,
   so GRPO runs are not reproducible run to run).
@@ -125,7 +125,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from paco.core.io import ImageDecodeError, decode_image
-from paco.core.stage import fix_numerics_env
+from paco.core.numerics import fix_numerics_env, loaded_too_late
 from paco.judge.model import JudgeContextError, check_context, encode_prompts
 
 log = logging.getLogger("paco.judge.serve")
@@ -147,7 +147,8 @@ BATCHING_MODES = ("auto", "same_shape", "single", "dynamic")
 
 
 def resolve_batching(mode: str, device: Any) -> str:
-    """``auto`` -> ``same_shape`` on CPU, ``single`` elsewhere; other modes unchanged.
+    """``auto`` -> ``single`` (on every ``device``: the only mode whose log-probs cannot depend on
+    the batch, see the module docstring); other modes unchanged.
 
     Raises:
         ValueError: an unknown mode.
@@ -155,7 +156,8 @@ def resolve_batching(mode: str, device: Any) -> str:
     if mode not in BATCHING_MODES:
         raise ValueError(f"batching must be one of {BATCHING_MODES}, got {mode!r}")
     if mode == "auto":
-        return "same_shape" if torch.device(device).type == "cpu" else "single"
+        torch.device(device)  # a malformed device is still an error
+        return "single"
     return mode
 
 
@@ -997,9 +999,14 @@ def watch_parent(parent_pid: int, on_exit, interval_s: float = 0.5) -> threading
 
 
 def main(argv: list[str] | None = None) -> int:
-    # before the first torch op (ATen, oneDNN and MKL read these lazily): scores must not depend
-    # on the machine's load or CPU model (a server a stage starts gets them from the stage too)
-    fix_numerics_env()
+    # scores must not depend on the machine's load or CPU model (a server a stage starts gets
+    # these from the stage). numpy, OpenBLAS and libgomp read theirs when loaded, and importing
+    # this module loaded them: if any was missing, run again with the environment fixed.
+    if loaded_too_late(fix_numerics_env()):
+        argv = sys.argv[1:] if argv is None else list(argv)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "paco.judge.serve", *argv])
     p = argparse.ArgumentParser(prog="paco-serve-judge", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="merged judge directory (reward_merge output) or any judge dir")
@@ -1010,9 +1017,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-wait-ms", type=float, default=10.0)
     p.add_argument("--batching", default="auto", choices=BATCHING_MODES,
-                   help="same_shape/single: a request's log-probs do not depend on the others in its batch; "
-                        "auto: same_shape on CPU, single elsewhere; dynamic: padded mixed batches (fastest, "
-                        "not batch-invariant)")
+                   help="single (= auto): one request per forward pass, log-probs independent of the others "
+                        "on any device; same_shape: identical encodings share a pass (faster; invariant only "
+                        "where the CPU's GEMM kernels allow); dynamic: padded mixed batches (fastest, not "
+                        "batch-invariant)")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context bound in tokens (prompt + 1 answer token); 0: the model's max_position_embeddings")
     p.add_argument("--max-logprobs", type=int, default=MAX_TOP_LOGPROBS, help="largest top_logprobs served")
