@@ -219,17 +219,26 @@ def test_client_recognises_vllm_context_refusals():
     assert _context_refusal("HTTP 400 from x: image 1: invalid base64") is None
 
 
-def test_concurrent_requests_are_batched_and_match_local_scores(server, judge):
+def test_concurrent_requests_match_local_scores_one_pass_each_or_batched(server, judge):
+    """The default (auto = single) gives each of 12 concurrent requests its own forward pass;
+    same_shape lets them share passes. Either way the scores are the judge's own."""
     srv, url = server
     ims = _images(12)
     text = judge_instruction("a tabby cat")
     triples = [(ims[i], ims[(i + 5) % 12], text) for i in range(12)]
+    local = judge.score(triples)
     client = JudgeClient(url, NAME, concurrency=12, retries=0, top_logprobs=VOCAB)
     scores = client.score(triples)
-    assert srv.batcher.requests == 12
-    assert srv.batcher.forward_passes < 12, "concurrent requests were not batched"
-    assert srv.batcher.max_batch > 1
-    np.testing.assert_allclose(scores, judge.score(triples), atol=1e-5)
+    assert srv.batcher.requests == 12 and srv.batcher.forward_passes == 12 and srv.batcher.max_batch == 1
+    np.testing.assert_allclose(scores, local, atol=1e-5)
+    with JudgeServer(judge, NAME, max_batch_size=8, max_wait_ms=200, max_logprobs=VOCAB,
+                     batching="same_shape") as batched:
+        client = JudgeClient(batched.url, NAME, concurrency=12, retries=0, top_logprobs=VOCAB)
+        scores = client.score(triples)
+        assert batched.batcher.requests == 12
+        assert batched.batcher.forward_passes < 12, "concurrent requests were not batched"
+        assert batched.batcher.max_batch > 1
+    np.testing.assert_allclose(scores, local, atol=1e-5)
     assert all(0.0 <= s <= 1.0 for s in scores)
 
 
@@ -312,11 +321,11 @@ def test_local_server_that_cannot_start_reports_its_log(tmp_path):
     assert "no-such-model" in str(err.value)
 
 
-@pytest.mark.parametrize("batching", ["auto", "dynamic"])
+@pytest.mark.parametrize("batching", ["auto", "same_shape", "dynamic"])
 def test_one_bad_input_fails_only_its_own_request(judge, batching):
     """The request the processor refuses (aspect ratio > 200) gets a non-retryable 400, the
-    others their scores: refused at its own encoding (auto), or by rescoring the failed padded
-    batch one request at a time (dynamic)."""
+    others their scores: refused at its own encoding (auto = single, same_shape), or by
+    rescoring the failed padded batch one request at a time (dynamic)."""
     with JudgeServer(judge, NAME, max_batch_size=8, max_wait_ms=200, max_logprobs=VOCAB, batching=batching) as srv:
         _check_one_bad_input(srv, srv.url, judge, batching)
 
@@ -342,8 +351,10 @@ def _check_one_bad_input(srv, url, judge, batching):
     assert srv.batcher.refused == 1
     if batching == "dynamic":
         assert srv.batcher.isolated_batches >= 1, "no failing batch was isolated (the requests were not batched)"
-    else:
+    elif batching == "same_shape":
         assert srv.batcher.isolated_batches == 0 and srv.batcher.max_batch >= 2
+    else:
+        assert srv.batcher.isolated_batches == 0 and srv.batcher.max_batch == 1
     good = [yes_probability(r[1]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) for i, r in
             enumerate(results) if i != 1]
     np.testing.assert_allclose(good, judge.score([(a, b, "same?"), (b, b, "same?"), (a, b, "same?")]), atol=1e-5)
