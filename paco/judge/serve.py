@@ -43,9 +43,9 @@ What it does with them depends on the mode:
 
 * ``single``: every request is its own forward pass, without waiting ``max_wait_ms``. Nothing in
   a request's computation depends on what else is queued, so its log-probs are bit-identical
-  however requests arrive, on any backend and any CPU (a forward pass of one request has the
-  same shapes, hence the same kernels, whatever the batch; on CUDA, cuBLAS may choose another
-  kernel per batch size). The server still overlaps decoding and encoding the next requests
+  however requests arrive, on any backend (a forward pass of one request has the same shapes,
+  hence the same kernels, whatever else is queued; batched, CPU GEMM kernels and cuBLAS may
+  choose another kernel per row count). The server still overlaps decoding and encoding the next requests
   with the forward pass.
 * ``auto`` (default): ``single``, on every device.
 * ``same_shape``: requests whose encodings have identical shapes (token count, image grids,
