@@ -53,9 +53,11 @@ What it does with them depends on the mode:
   shape in its own; a request whose two images have different grids is always scored alone.
   Nothing is padded and the vision tower runs per request (:meth:`paco.judge.model.Judge.logits`),
   but the language model's GEMMs see ``n`` times the rows, and whether a row then rounds as it
-  does alone is the CPU's GEMM kernels' choice, not this code's: bit-identical on the AVX2 and
-  AVX-512 hosts measured, ~1.2e-7 apart on an AVX-512/AMX Intel host. Faster (about 1.4x on
-  64 px panels, tiny judge, 1 thread); not for runs that must give the same bytes everywhere.
+  does alone is the CPU's GEMM kernels' choice, not this code's: bit-identical on an AVX2 and an
+  AVX-512 AMD host, ~1.2e-7 apart on an AVX-512/AMX Intel host, and on an AVX-512 Intel Xeon
+  (Cascade Lake) grpo@kontext_editing's LoRA bytes differ from ``single``'s. Less judge CPU
+  time (about 1.35x less on 64 px panels, tiny judge, 1 thread; the same GRPO wall time there,
+  133 s, where rewards overlap sampling); not for runs that must give the same bytes.
 * ``dynamic``: all collected requests encoded together, left-padded, in one forward pass (the
   fastest, but a request's logits then depend on the others through padding, by up to ~3e-6,
   so GRPO runs are not reproducible run to run).
