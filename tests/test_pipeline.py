@@ -145,7 +145,8 @@ def test_every_subtask_trains_and_samples(dvc_repo, subtask):
         assert m["judge"]["requests"] > 0
         assert m["train_prompts"] == 28 and m["eval_prompts"] == 14  # 4 train photos x 7 edits; 2 test photos
         # the prompts paired by the learning signal are the trainer's own draw in both windows
-        items = [str(i) for i in pd.read_parquet(repo / "data/edits/edits.parquet").query("split == 'train'")["item_id"]]
+        edits = pd.read_parquet(repo / "data/edits/edits.parquet")
+        items = [str(i) for i in edits.query("split == 'train'")["item_id"]]
         w = sig["window_epochs"]
         drawn = [set(epoch_prompts(items, cfg["prompts_per_epoch"], cfg["seed"], e)) for e in range(cfg["epochs"])]
         assert sig["prompts_paired"] == len(set().union(*drawn[:w]) & set().union(*drawn[-w:])), sig

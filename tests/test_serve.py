@@ -652,3 +652,34 @@ def test_a_reply_that_is_not_json_is_a_named_judge_error():
         a, b = _images(2)
         with pytest.raises(JudgeError, match=r"malformed reply from .*served model 'paco-reward-test'"):
             JudgeClient(srv.base_url, NAME, retries=0).score([(a, b, "x")])
+
+
+def test_a_server_started_by_hand_runs_the_fixed_cpu_paths(tiny_model_dirs, tmp_path):
+    """`python -m paco.judge.serve` started without the code-path variables (as a user would, not
+    through LocalJudgeServer) loads numpy before its main can set them, so it runs itself again
+    with them set: the listening process (same pid after the exec) has them in its environment."""
+    import os
+    import subprocess
+    import sys
+
+    from paco.core.numerics import FIXED_CPU_ISA_ENV, cpu_has_avx2, cpu_isa_env
+
+    if not cpu_has_avx2():
+        pytest.skip("not an x86-64 CPU with AVX2: the CPU paths are left to the libraries")
+    env = {k: v for k, v in os.environ.items() if k not in FIXED_CPU_ISA_ENV}
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "paco.judge.serve", "--model", str(tiny_model_dirs["judge_base"]),
+                             "--served-model-name", NAME, "--port", "0", "--port-file", str(port_file)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert port_file.exists(), f"the server did not start (exit code {proc.poll()})"
+        environ = dict(line.split("=", 1) for line in
+                       Path(f"/proc/{proc.pid}/environ").read_bytes().decode().split("\0") if "=" in line)
+        assert {k: environ.get(k) for k in FIXED_CPU_ISA_ENV} == cpu_isa_env()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

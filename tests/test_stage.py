@@ -158,11 +158,13 @@ conv = torch.nn.Conv2d(8, 8, 3)
 y = torch.cat([torch.softmax(x, -1).flatten(), torch.nn.functional.gelu(x).flatten(), conv(x).flatten()])
 # numpy: transcendental ufuncs (SVML on AVX-512), a sort with ties, an OpenBLAS GEMM
 a = np.random.default_rng(0).standard_normal(4096)
+gemm = a[:1024].reshape(32, 32) @ a[1024:2048].reshape(32, 32)
 z = np.concatenate([np.sin(a * 50), np.exp(a), np.log1p(np.abs(a)), np.tanh(a).astype(np.float32).astype(float),
-                    np.argsort(np.round(a, 1)).astype(float), (a[:1024].reshape(32, 32) @ a[1024:2048].reshape(32, 32)).ravel()])
+                    np.argsort(np.round(a, 1)).astype(float), gemm.ravel()])
 info = numerics_info()
 print(json.dumps({"torch": [info["torch_cpu_capability"], hashlib.md5(y.detach().numpy().tobytes()).hexdigest()],
-                  "numpy": [info["numpy_dispatch"], sorted(set(info["openblas"].values())), hashlib.md5(z.tobytes()).hexdigest()]}))
+                  "numpy": [info["numpy_dispatch"], sorted(set(info["openblas"].values())),
+                            hashlib.md5(z.tobytes()).hexdigest()]}))
 """
 
 

@@ -448,8 +448,8 @@ class JudgeServerParams(_Section):
     max_logprobs: int = Field(20, ge=1, description="largest top_logprobs served (vLLM's --max-logprobs)")
     batching: Literal["auto", "same_shape", "single", "dynamic"] = Field(
         "auto", description="how concurrent requests share forward passes: single (one request per pass) "
-        "keeps every request's logprobs independent of what else is queued, bit for bit, on any device and "
-        "CPU (GRPO is reproducible); same_shape (identical encodings share an unpadded pass) is faster, and "
+        "keeps every request's logprobs independent of what else is queued, bit for bit, on any device "
+        "(GRPO is reproducible); same_shape (identical encodings share an unpadded pass) is faster, and "
         "bit-invariant only where the CPU's GEMM kernels round a row alike at any row count; dynamic pads "
         "mixed batches (fastest, batch-dependent); auto: single")
     max_model_len: int | None = Field(None, ge=2, description="context limit below the model's "

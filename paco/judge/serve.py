@@ -45,8 +45,8 @@ What it does with them depends on the mode:
   a request's computation depends on what else is queued, so its log-probs are bit-identical
   however requests arrive, on any backend (a forward pass of one request has the same shapes,
   hence the same kernels, whatever else is queued; batched, CPU GEMM kernels and cuBLAS may
-  choose another kernel per row count). The server still overlaps decoding and encoding the next requests
-  with the forward pass.
+  choose another kernel per row count). The server still overlaps decoding and encoding the
+  next requests with the forward pass.
 * ``auto`` (default): ``single``, on every device.
 * ``same_shape``: requests whose encodings have identical shapes (token count, image grids,
   pixel rows) are concatenated along the batch and scored in one forward pass, each other
