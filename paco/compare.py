@@ -76,6 +76,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from paco.core.statistics import paired_test, welch_test
+
 
 class CompareError(RuntimeError):
     """The experiments cannot be compared (none found, a bad ``dvc exp show`` document, an
@@ -408,57 +410,6 @@ def _need(df: pd.DataFrame, cols: Sequence[str], what: str) -> None:
     missing = [c for c in cols if c not in df.columns]
     if missing:
         raise MissingMetricError(f"{what}: column(s) {missing} missing (has {list(df.columns)})")
-
-
-# --------------------------------------------------------------------------------------------
-# statistics
-# --------------------------------------------------------------------------------------------
-
-
-def paired_test(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
-    """Paired comparison of ``a - b`` (same units, aligned samples).
-
-    Returns:
-        ``n``, ``mean_diff``, ``t_p`` (two-sided ``scipy.stats.ttest_rel``) and ``wilcoxon_p``
-        (two-sided ``scipy.stats.wilcoxon``, zero differences dropped: ``zero_method='wilcox'``);
-        both p-values are ``None`` when every difference is 0 (identical samples: no test).
-
-    Raises:
-        ValueError: different lengths, fewer than 2 pairs or non-finite values."""
-    from scipy import stats
-
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1 or a.size < 2:
-        raise ValueError(f"paired_test needs two 1-d arrays of the same length >= 2, got {a.shape} and {b.shape}")
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ValueError("paired_test: non-finite values")
-    d = a - b
-    out: dict[str, Any] = {"n": int(a.size), "mean_diff": float(d.mean()), "t_p": None, "wilcoxon_p": None}
-    if np.any(d != 0):
-        out["t_p"] = float(stats.ttest_rel(a, b).pvalue)
-        out["wilcoxon_p"] = float(stats.wilcoxon(a, b).pvalue)
-    return out
-
-
-def welch_test(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
-    """Unpaired comparison ``mean(a) - mean(b)``: two-sided Welch t-test
-    (``scipy.stats.ttest_ind(a, b, equal_var=False)``); ``p`` is ``None`` for fewer than 2 values
-    in either sample or zero variance in both.
-
-    Raises:
-        ValueError: non-finite values."""
-    from scipy import stats
-
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ValueError("welch_test: non-finite values")
-    out: dict[str, Any] = {"n_a": int(a.size), "n_b": int(b.size),
-                           "mean_diff": float(a.mean() - b.mean()) if a.size and b.size else None, "p": None}
-    if a.size >= 2 and b.size >= 2 and (a.var() > 0 or b.var() > 0):
-        out["p"] = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
-    return out
 
 
 def reward_names(train: pd.DataFrame) -> list[str]:

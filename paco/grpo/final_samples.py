@@ -26,6 +26,7 @@ import torch
 from PIL import Image, ImageDraw, ImageOps
 
 from paco.core.seeding import stable_seed
+from paco.core.statistics import paired_t_p
 from paco.core.io import encode_image
 from paco.core.params import FinalSamplesParams
 from paco.grpo.policies import Policy, grid_size, load_policy
@@ -169,8 +170,6 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
 
 def summarise(table: pd.DataFrame, rewards: Sequence[str]) -> dict[str, Any]:
     """Per variant and reward mean/std; LoRA - base differences with a paired t-test."""
-    from scipy import stats
-
     out: dict[str, Any] = {"samples": int(len(table)), "prompts": int(table["prompt_id"].nunique()), "rewards": {}}
     base = table[table["variant"] == "base"].set_index(["prompt_id", "seed"])
     lora = table[table["variant"] == "lora"].set_index(["prompt_id", "seed"]).loc[base.index]
@@ -182,6 +181,6 @@ def summarise(table: pd.DataFrame, rewards: Sequence[str]) -> dict[str, Any]:
                  "lora_std": float(lo.std()), "lora_minus_base": float(d.mean()),
                  "improved_fraction": float((d > 0).mean())}
         if len(d) > 1 and np.any(d != 0):
-            entry["paired_t_p_value"] = float(stats.ttest_rel(lo, b).pvalue)
+            entry["paired_t_p_value"] = paired_t_p(lo, b)
         out["rewards"][name] = entry
     return out

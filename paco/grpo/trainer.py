@@ -86,6 +86,7 @@ from paco.core.params import GrpoSubtaskParams, ParamsError
 from paco.grpo.policies import OLD_ADAPTER, TRAINED_ADAPTER, Conditioning, Policy, grid_size, load_policy
 from paco.grpo.rewards import OverlappedRewards, PromptInfo, RewardContext, compute_rewards, subtask_items
 from paco.core.run_identity import RunIdentity, launch_parts
+from paco.core.statistics import learning_signal
 
 log = logging.getLogger("paco.grpo.trainer")
 
@@ -906,72 +907,6 @@ def epoch_row(run: GrpoRun, epoch: int, rewards: dict[str, np.ndarray], adv: Adv
 # --------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------
-
-
-def learning_signal(per_sample: Sequence[np.ndarray], groups: Sequence[Sequence[str]], window: int) -> dict[str, Any]:
-    """Whether the training reward rose: the first ``window`` epochs against the last ``window``.
-
-    The same prompts recur every epoch (``prompts_per_epoch`` of the split, all of them in the
-    embedded default), and the reward's spread between prompts is far larger than an epoch's
-    change (Qwen-Image-Edit: per-sample std 0.28 around a gain of 0.01). So the test pairs each
-    prompt with itself: its mean weighted reward over its samples of the first window against
-    that of the last window, a one-sided paired t-test over the prompts drawn in both windows
-    (``scipy.stats.ttest_rel``, H1: last > first; the design of the final samples' paired test).
-    The unpaired one-sided Welch t-test on the per-sample rewards (``scipy.stats.ttest_ind``,
-    ``equal_var=False``), which counts the between-prompt spread as noise, is kept as
-    ``p_value_welch`` for comparison.
-
-    Args:
-        per_sample: one float array per finished epoch, the weighted reward of each trajectory
-            (``(n_traj,)``, in [0, 1] for the embedded rewards).
-        groups: per epoch, the prompt id of each trajectory (same lengths as ``per_sample``).
-        window: epochs per window; at most half the epochs are used (at least 1).
-
-    Returns:
-        ``window_epochs``, ``first_epochs_reward`` / ``last_epochs_reward`` (per-sample means),
-        ``improvement`` (their difference), ``prompts_paired`` (prompts in both windows),
-        ``prompts_improved``, ``p_value`` (the paired test; ``None`` with fewer than 2 paired
-        prompts), ``effect_size_dz`` (mean per-prompt difference / its std; ``None`` when that
-        std is 0), ``p_value_welch``. Empty inputs give the means as ``None`` and no tests.
-
-    Raises:
-        ValueError: ``groups`` and ``per_sample`` differ in epochs or in an epoch's length.
-    """
-    from scipy import stats
-
-    n = len(per_sample)
-    if len(groups) != n or any(len(g) != len(r) for g, r in zip(groups, per_sample)):
-        raise ValueError(f"groups ({[len(g) for g in groups]}) must give a prompt id per reward "
-                         f"({[len(r) for r in per_sample]})")
-    w = max(1, min(window, n // 2))
-    first = np.concatenate(per_sample[:w]) if n else np.zeros(0)
-    last = np.concatenate(per_sample[n - w:]) if n else np.zeros(0)
-    out: dict[str, Any] = {"window_epochs": w, "first_epochs_reward": float(first.mean()) if first.size else None,
-                           "last_epochs_reward": float(last.mean()) if last.size else None}
-    if first.size < 2 or last.size < 2:
-        return out
-    out["improvement"] = out["last_epochs_reward"] - out["first_epochs_reward"]
-
-    def prompt_means(epochs: range) -> pd.Series:
-        ids = np.concatenate([np.asarray(groups[e], dtype=object) for e in epochs])
-        vals = np.concatenate([np.asarray(per_sample[e], dtype=np.float64) for e in epochs])
-        return pd.Series(vals).groupby(ids).mean()
-
-    a, b = prompt_means(range(w)), prompt_means(range(n - w, n))
-    shared = a.index.intersection(b.index).sort_values()
-    diff = (b[shared] - a[shared]).to_numpy()
-    out["prompts_paired"] = int(diff.size)
-    out["prompts_improved"] = int((diff > 0).sum())
-    out["p_value"] = None
-    out["effect_size_dz"] = None
-    if diff.size >= 2:
-        sd = float(diff.std(ddof=1))
-        if sd > 0:
-            out["p_value"] = float(stats.ttest_rel(b[shared].to_numpy(), a[shared].to_numpy(),
-                                                   alternative="greater").pvalue)
-            out["effect_size_dz"] = float(diff.mean() / sd)
-    out["p_value_welch"] = float(stats.ttest_ind(last, first, equal_var=False, alternative="greater").pvalue)
-    return out
 
 
 def train_grpo(

@@ -22,7 +22,8 @@ import pandas as pd
 from PIL import Image
 
 from paco.core.io import ArtifactError, decode_image
-from paco.judge.metrics import chance_levels, chance_test, consistency_rank_metrics, order_from_scores
+from paco.core.statistics import binomial_test_p, chance_summary
+from paco.judge.metrics import chance_levels, consistency_rank_metrics, order_from_scores
 
 #: scorer(list of (reference image, candidate image, instruction)) -> scores (higher = more consistent)
 PairScorer = Callable[[Sequence[tuple[Image.Image, Image.Image, str]]], list[float]]
@@ -97,17 +98,10 @@ def summarise_rankings(pred: pd.DataFrame) -> dict[str, Any]:
     acc = np.asarray(per["accuracy"])
     by_prompt = pd.Series(acc).groupby(pred["prompt_id"].to_numpy()).mean().to_numpy()
     m["chance"] = {"accuracy": chance["accuracy"], "kendall_tau": 0.0}
-    m["accuracy_vs_chance"] = _test(acc, chance["accuracy"])
-    m["accuracy_vs_chance_per_prompt"] = _test(by_prompt, chance["accuracy"])
-    m["kendall_tau_vs_chance"] = _test(np.asarray(per["kendall_tau"]), 0.0)
+    m["accuracy_vs_chance"] = chance_summary(acc, chance["accuracy"])
+    m["accuracy_vs_chance_per_prompt"] = chance_summary(by_prompt, chance["accuracy"])
+    m["kendall_tau_vs_chance"] = chance_summary(np.asarray(per["kendall_tau"]), 0.0)
     return m
-
-
-def _test(values: np.ndarray, chance: float) -> dict[str, float]:
-    if len(values) < 2:
-        return {"n": len(values)}
-    t = chance_test(values, chance)
-    return {k: t[k] for k in ("mean", "p_value", "ci_low", "ci_high", "n")}
 
 
 def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy") -> dict[str, Any]:
@@ -115,7 +109,7 @@ def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy"
 
     Top-level keys (``mean``, ``p_value``, ``ci_low``, ``ci_high``, ``n``): one-sided ``a > b``
     t-test of the per-instance differences of ``metric`` against 0
-    (:func:`paco.judge.metrics.chance_test`). ``per_prompt``: the same test on the per-prompt means of
+    (:func:`paco.core.statistics.chance_test`). ``per_prompt``: the same test on the per-prompt means of
     the differences (instances of one prompt share panels and are not independent, so this is
     the conservative statement; ``n`` is the prompt count).
     """
@@ -130,7 +124,7 @@ def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy"
         ]
     )
     by_prompt = pd.Series(diff).groupby(merged["prompt_id_a"].to_numpy()).mean().to_numpy()
-    return {**_test(diff, 0.0), "per_prompt": _test(by_prompt, 0.0)}
+    return {**chance_summary(diff, 0.0), "per_prompt": chance_summary(by_prompt, 0.0)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,28 +361,25 @@ def edit_accuracy(scores: pd.DataFrame) -> dict[str, Any]:
     Args:
         scores: :func:`edit_scores` rows.
     """
-    from scipy import stats
-
     out: dict[str, Any] = {}
     for dim, g in scores.groupby("dimension", sort=True):
         wins = (g["score_a"] > g["score_b"]).to_numpy()
         per_task = g.assign(win=wins).groupby("task_type")["win"].mean()
         out[str(dim)] = {"accuracy": float(wins.mean()), "accuracy_ge": float((g["score_a"] >= g["score_b"]).mean()),
                          "accuracy_macro": float(per_task.mean()), "n": int(len(g)),
-                         "p_value": float(stats.binomtest(int(wins.sum()), len(wins), 0.5,
-                                                          alternative="greater").pvalue)}
+                         "p_value": binomial_test_p(int(wins.sum()), len(wins), 0.5, alternative="greater")}
     return out
 
 
 def edit_paired_comparison(a: pd.DataFrame, b: pd.DataFrame) -> dict[str, Any]:
     """Per dimension, judge ``a``'s strict wins minus judge ``b``'s on the same instances: the
-    mean difference and a one-sided paired t-test (:func:`paco.judge.metrics.chance_test` of the
+    mean difference and a one-sided paired t-test (:func:`paco.core.statistics.chance_test` of the
     per-instance differences against 0)."""
     merged = a.merge(b, on="instance_id", suffixes=("_a", "_b"), validate="one_to_one")
     out = {}
     for dim, g in merged.groupby("dimension_a", sort=True):
         diff = ((g["score_a_a"] > g["score_b_a"]).astype(float) - (g["score_a_b"] > g["score_b_b"]).astype(float))
-        out[str(dim)] = _test(diff.to_numpy(), 0.0) if diff.std() > 0 else {"mean": float(diff.mean()),
+        out[str(dim)] = chance_summary(diff.to_numpy(), 0.0) if diff.std() > 0 else {"mean": float(diff.mean()),
                                                                                "n": int(len(diff))}
     return out
 

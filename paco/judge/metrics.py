@@ -1,4 +1,4 @@
-"""Ranking metrics for ConsistencyRank-style evaluation (paper §4, Table 2) and a chance test.
+"""Ranking metrics for ConsistencyRank-style evaluation (paper §4, Table 2); their chance levels.
 
 An *instance* is one reference image and ``n`` candidates; an *order* is the list of candidate
 ids from most to least consistent with the reference. A judge's predicted order is compared
@@ -64,7 +64,6 @@ tau 0.
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from collections.abc import Hashable, Sequence
@@ -250,7 +249,7 @@ def consistency_rank_metrics(
             reference-code tau / rho (see ``rank_metrics``); ``None`` or a list of
             ``None``/lists.
         per_instance: also return ``"per_instance"``: metric name -> list of per-instance
-            values (e.g. for ``chance_test``).
+            values (e.g. for :func:`paco.core.statistics.chance_test`).
 
     Returns:
         dict: every key of ``METRIC_KEYS`` mapped to its mean over instances (float), plus
@@ -308,115 +307,4 @@ def chance_levels(n_candidates: int) -> dict[str, float]:
         "top1_bottom1": inv,
         # E|pos_pred - pos_ref| summed over candidates = n * (n^2 - 1) / (3n) = (n^2 - 1) / 3
         "footrule_distance": (n_candidates**2 - 1) / 3.0,
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# significance
-# --------------------------------------------------------------------------------------------
-
-
-def chance_test(
-    values: Sequence[float] | np.ndarray,
-    chance: float,
-    alternative: str = "greater",
-    *,
-    confidence_level: float = 0.95,
-    ci_method: str = "t",
-    n_resamples: int = 9999,
-    random_state: int | None = 0,
-) -> dict[str, Any]:
-    """Test whether the mean of per-instance metric values differs from its chance level.
-
-    Test: one-sample Student t-test of ``H0: E[value] = chance`` (``scipy.stats.ttest_1samp``).
-    Rationale: under the null "the predicted order is uniformly random and independent of the
-    reference" the per-instance values are i.i.d. with mean exactly ``chance`` (see
-    ``chance_levels``) and bounded, so the t-test on the mean is asymptotically exact. Sign /
-    Wilcoxon tests are *not* used: they test the median / symmetry, and e.g. for accuracy
-    with 4 candidates the null distribution is skewed (P(acc < 1/4) = 9/24, P(acc > 1/4) =
-    7/24), so they would be miscalibrated.
-
-    Caveat: instances that share a prompt or reference image are not independent (the
-    pipeline builds 48 per prompt); for a conservative statement pass per-prompt means.
-
-    Args:
-        values: per-instance values (e.g. ``per_instance["accuracy"]``), at least 2, finite.
-        chance: the chance level (e.g. 0.25 for accuracy with 4 candidates, 0 for tau).
-        alternative: ``"greater"`` (default), ``"less"`` or ``"two-sided"``.
-        confidence_level: of the (always two-sided) confidence interval of the mean.
-        ci_method: ``"t"`` (t-interval, ``mean +- t_{df} * sem``) or ``"bootstrap"``
-            (``scipy.stats.bootstrap``, BCa, ``n_resamples`` resamples, seeded by
-            ``random_state``).
-
-    Returns:
-        dict: ``test`` (str), ``statistic`` (t), ``p_value``, ``df`` (n - 1), ``n``, ``mean``,
-        ``std`` (ddof 1), ``chance``, ``alternative``, ``ci_low``, ``ci_high``,
-        ``confidence_level``, ``ci_method``. If all values are equal the t statistic is
-        ``+-inf`` (or NaN when equal to chance) and the p-value is 0 or 1 accordingly; the
-        interval is the single point.
-
-    Raises:
-        ValueError: fewer than 2 values, non-finite values, unknown alternative or ci_method,
-            confidence_level outside (0, 1).
-    """
-    x = np.asarray(values, dtype=np.float64).ravel()
-    if x.size < 2:
-        raise ValueError(f"need at least 2 values, got {x.size}")
-    if not np.isfinite(x).all():
-        raise ValueError("values must be finite")
-    if not math.isfinite(chance):
-        raise ValueError(f"chance must be finite, got {chance}")
-    if alternative not in ("greater", "less", "two-sided"):
-        raise ValueError(f"unknown alternative {alternative!r}")
-    if ci_method not in ("t", "bootstrap"):
-        raise ValueError(f"unknown ci_method {ci_method!r}")
-    if not 0.0 < confidence_level < 1.0:
-        raise ValueError(f"confidence_level must be in (0, 1), got {confidence_level}")
-
-    n = int(x.size)
-    mean = float(x.mean())
-    std = float(x.std(ddof=1))
-    if std == 0.0:
-        diff = mean - chance
-        statistic = math.nan if diff == 0 else math.copysign(math.inf, diff)
-        if alternative == "greater":
-            p_value = 0.0 if diff > 0 else 1.0
-        elif alternative == "less":
-            p_value = 0.0 if diff < 0 else 1.0
-        else:
-            p_value = 0.0 if diff != 0 else 1.0
-        ci_low = ci_high = mean
-    else:
-        res = stats.ttest_1samp(x, popmean=chance, alternative=alternative)
-        statistic, p_value = float(res.statistic), float(res.pvalue)
-        if ci_method == "t":
-            sem = std / math.sqrt(n)
-            ci_low, ci_high = (
-                float(v) for v in stats.t.interval(confidence_level, df=n - 1, loc=mean, scale=sem)
-            )
-        else:
-            boot = stats.bootstrap(
-                (x,),
-                np.mean,
-                confidence_level=confidence_level,
-                n_resamples=n_resamples,
-                method="BCa",
-                rng=np.random.default_rng(random_state),
-            )
-            ci_low = float(boot.confidence_interval.low)
-            ci_high = float(boot.confidence_interval.high)
-    return {
-        "test": "one-sample t-test, H0: mean == chance",
-        "statistic": statistic,
-        "p_value": p_value,
-        "df": n - 1,
-        "n": n,
-        "mean": mean,
-        "std": std,
-        "chance": float(chance),
-        "alternative": alternative,
-        "ci_low": ci_low,
-        "ci_high": ci_high,
-        "confidence_level": confidence_level,
-        "ci_method": ci_method,
     }
