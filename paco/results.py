@@ -1,0 +1,271 @@
+"""``docs/results.md`` from a run's own artifacts: ``python -m paco.results``.
+
+Every figure in the page is read from what the stages wrote under ``data/`` (each stage's
+``metrics.json`` and ``report.json``, GRPO's ``plots/train.csv``), so the page cannot drift
+from the run it describes: regenerate it after ``dvc repro`` instead of editing it. Nothing is
+computed here but formatting and one plot of the training reward curves (``--figures``).
+
+Usage::
+
+    python -m paco.results                                  # data/ -> docs/results.md, docs/figures/results/
+    python -m paco.results --data /other/clone/data --out /tmp/results.md --figures /tmp/fig
+
+Raises :class:`ResultsError` (exit 2, the message names the file) when a stage's file is missing
+or lacks a key the page reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+#: the judges ``reward_eval`` scores, as the page names them
+JUDGES = (("paco_reward", "PaCo-Reward (trained)"), ("base_zero_shot", "base judge, zero-shot"),
+          ("clip_i", "CLIP-I"))
+#: ``reward_eval`` editing benchmark questions, in table order
+EDIT_QUESTIONS = ("consistency", "prompt_following", "overall")
+#: the stages whose ``report.json`` holds ``run.wall_seconds`` and ``run.peak_rss_mb``, in DAG order
+STAGE_ORDER = ("models", "prompts", "edits", "composites", "subfigures", "pairs", "labels", "reward_train",
+               "reward_merge", "reward_eval", "grpo", "final_samples")
+
+
+class ResultsError(RuntimeError):
+    """A run's artifact is missing or lacks a figure the page reports (the message names it)."""
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ResultsError(f"{path}: missing (run `dvc repro` first)") from None
+    except json.JSONDecodeError as exc:
+        raise ResultsError(f"{path}: not JSON ({exc})") from None
+
+
+def _get(doc: Mapping[str, Any], dotted: str, path: Path) -> Any:
+    node: Any = doc
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            raise ResultsError(f"{path}: no {dotted!r}")
+        node = node[part]
+    return node
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    """A figure as the page prints it: ``digits`` decimals, p-values (< 1e-3) in ``1e-08`` form,
+    ``-`` for ``None``."""
+    if x is None:
+        return "-"
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.{digits}f}"
+
+
+def fmt_p(p: float | None) -> str:
+    """A p-value: 2 significant digits, scientific below 0.001."""
+    if p is None:
+        return "-"
+    return f"{p:.0e}" if p < 1e-3 else f"{p:.2g}"
+
+
+def fmt_gain(x: float | None, digits: int = 3) -> str:
+    """A signed difference (``+0.022``)."""
+    return "-" if x is None else f"{x:+.{digits}f}"
+
+
+def _subtasks(data: Path, stage: str) -> list[str]:
+    root = data / stage
+    return sorted(p.name for p in root.iterdir() if (p / "report.json").is_file()) if root.is_dir() else []
+
+
+# --------------------------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------------------------
+
+
+def judge_section(data: Path) -> list[str]:
+    """ConsistencyRank (paper Table 2 layout) and the editing benchmark (Table 1 layout) from
+    ``reward_eval/report.json``; the judge's training from ``reward_train/report.json``."""
+    path = data / "reward_eval" / "report.json"
+    rep = _load(path)
+    lines = ["## The judge (PaCo-Reward)", "",
+             f"ConsistencyRank on {_get(rep, 'instances', path)} held-out ranking instances "
+             f"({_get(rep, 'prompts', path)} test prompts); chance: accuracy 0.25, Kendall tau 0; p: one-sided "
+             "t-test against chance over instances (per-prompt means in brackets).", "",
+             "| judge | accuracy | Kendall tau | Spearman rho | top1-bottom1 | accuracy vs chance, p |",
+             "|---|---|---|---|---|---|"]
+    for key, name in JUDGES:
+        j = rep.get("judges", {}).get(key)
+        if j is None:
+            continue
+        lines.append(f"| {name} | {fmt(j['accuracy'])} | {fmt(j['kendall_tau'])} | {fmt(j['spearman_rho'])} | "
+                     f"{fmt(j['top1_bottom1'])} | {fmt_p(j['accuracy_vs_chance']['p_value'])} "
+                     f"({fmt_p(j['accuracy_vs_chance_per_prompt']['p_value'])}) |")
+    lines.append("")
+    for key, name in JUDGES[1:]:
+        vs = rep.get("paco_reward_vs", {}).get(key)
+        if vs is not None:
+            lines.append(f"- trained minus {name}, accuracy: {fmt_gain(vs['mean'])} (paired p {fmt_p(vs['p_value'])} "
+                         f"over {vs['n']} instances, {fmt_p(vs['per_prompt']['p_value'])} over "
+                         f"{vs['per_prompt']['n']} prompt means)")
+    editing = rep.get("editing")
+    if editing:
+        lines += ["", f"Editing benchmark ({editing['benchmark']}, {editing['instances']} instances of "
+                  f"{editing['items']} items; strict preference accuracy, chance 0.5; n and one-sided binomial p "
+                  "in brackets):", "",
+                  "| judge | " + " | ".join(q.replace("_", " ") for q in EDIT_QUESTIONS) + " |",
+                  "|---|" + "---|" * len(EDIT_QUESTIONS)]
+        for key, name in JUDGES:
+            j = editing["judges"].get(key)
+            if j is not None:
+                cells = [f"{fmt(j[q]['accuracy'], 2)} (n {j[q]['n']}, p {fmt_p(j[q]['p_value'])})"
+                         for q in EDIT_QUESTIONS if q in j]
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", *_training_lines(data)]
+    return lines
+
+
+def _training_lines(data: Path) -> list[str]:
+    path = data / "reward_train" / "report.json"
+    rep = _load(path)
+    ev = _get(rep, "eval_final", path)
+    return [f"Judge SFT: {_get(rep, 'total_steps', path)} steps over {_get(rep, 'train_pairs', path)} training pairs; "
+            f"held-out first-token accuracy {fmt(ev['first_token_accuracy'])}, P(Yes) accuracy "
+            f"{fmt(ev['p_yes_accuracy'])} on {ev['pairs']} pairs (mean P(Yes) {fmt(ev['p_yes_mean_yes'])} on Yes "
+            f"pairs, {fmt(ev['p_yes_mean_no'])} on No pairs)."]
+
+
+def grpo_section(data: Path) -> list[str]:
+    """Per GRPO subtask: the training reward's learning signal (first vs last epochs, paired over
+    prompts), the ODE evaluation reward, and the final samples' LoRA - base per reward."""
+    lines = ["## PaCo-GRPO", "",
+             "Training reward: the mean weighted reward of the first vs the last epochs' samples; p: one-sided "
+             "paired t-test over the prompts (items) drawn in both windows (`report.json` `learning_signal`). "
+             "Evaluation: ODE samples of the training prompts at the evaluation resolution, first and last "
+             "evaluation.", "",
+             "| subtask | epochs | training reward, first -> last | gain (prompts higher, p) | eval reward, "
+             "first -> last | s / epoch | wall s | peak RSS GB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for sub in _subtasks(data, "grpo"):
+        path = data / "grpo" / sub / "report.json"
+        rep = _load(path)
+        sig = _get(rep, "learning_signal", path)
+        lines.append(
+            f"| {sub} | {rep['epochs']} | {fmt(sig.get('first_epochs_reward'))} -> {fmt(sig.get('last_epochs_reward'))} "
+            f"| {fmt_gain(sig.get('improvement'))} ({sig.get('prompts_improved', '-')} of "
+            f"{sig.get('prompts_paired', '-')}, p {fmt_p(sig.get('p_value'))}) | {fmt(rep['eval_first']['reward'])} -> "
+            f"{fmt(rep['eval_final']['reward'])} | {fmt(rep['seconds_per_epoch'], 1)} | "
+            f"{fmt(rep['run']['wall_seconds'], 0)} | {fmt(rep['run']['peak_rss_mb'] / 1024, 2)} |")
+    lines += ["", "Final samples (`final_samples@<subtask>`): held-out prompts (items) sampled with the ODE with "
+              "and without the LoRA, paired by (prompt, seed); p: two-sided paired t-test.", "",
+              "| subtask | reward | base | LoRA | LoRA - base | better | p |", "|---|---|---|---|---|---|---|"]
+    for sub in _subtasks(data, "final_samples"):
+        path = data / "final_samples" / sub / "report.json"
+        rep = _load(path)
+        for name, r in _get(rep, "rewards", path).items():
+            lines.append(f"| {sub} ({rep['samples'] // 2} pairs, {rep['resolution']} px) | {name} | "
+                         f"{fmt(r['base_mean'])} | {fmt(r['lora_mean'])} | {fmt_gain(r['lora_minus_base'])} | "
+                         f"{r['improved_fraction']:.0%} | {fmt_p(r.get('paired_t_p_value'))} |")
+    return lines
+
+
+def timing_section(data: Path) -> list[str]:
+    """Wall time and peak resident memory of every stage that ran (``report.json`` ``run``)."""
+    lines = ["## Stage times", "", "| stage | wall s | peak RSS GB | processes x torch threads |", "|---|---|---|---|"]
+    total = 0.0
+    for stage in STAGE_ORDER:
+        members = [stage] if (data / stage / "report.json").is_file() else [f"{stage}@{s}" for s in _subtasks(data, stage)]
+        for member in members:
+            path = data / Path(*member.split("@")) / "report.json"
+            run = _get(_load(path), "run", path)
+            total += run["wall_seconds"]
+            threads = run.get("threads", {}).get("torch") or "-"
+            lines.append(f"| {member} | {fmt(run['wall_seconds'], 0)} | {fmt(run['peak_rss_mb'] / 1024, 2)} | "
+                         f"{run.get('processes', 1)} x {threads} |")
+    lines += ["", f"Sum of the stages' wall times: {total / 60:.1f} min (each stage's own process; `dvc repro` adds "
+              "its bookkeeping)."]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# figures
+# --------------------------------------------------------------------------------------------
+
+
+def reward_curves(data: Path, out: Path) -> Path:
+    """Plot each GRPO subtask's training reward per epoch (``plots/train.csv``) to ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for sub in _subtasks(data, "grpo"):
+        train = pd.read_csv(data / "grpo" / sub / "plots" / "train.csv")
+        ax.plot(train["epoch"], train["reward"], marker="o", ms=3, label=sub)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("mean weighted reward")
+    ax.set_title("GRPO training reward")
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, metadata={"Software": None})
+    plt.close(fig)
+    return out
+
+
+def render(data: Path, figures: Path | None, out: Path) -> str:
+    """The page's markdown; with ``figures``, the reward plot is written there and linked
+    relative to ``out``'s folder."""
+    params = _load(data / "params_check" / "params.json")
+    seeds = {k: v["seed"] for k, v in params.get("grpo", {}).items()}
+    lines = ["# Results of the embedded default", "",
+             "Generated by `python -m paco.results` from the artifacts of one `dvc repro` (each stage's "
+             "`metrics.json` / `report.json`); do not edit by hand. The embedded default trains tiny random-init "
+             "models for minutes on 2 CPU cores: these are one draw of a chaotic process, not the paper's "
+             "figures; `docs/numerics.md` has the spread over seeds and numeric paths, and the end-to-end test "
+             "asserts only the claims every draw clears.", "",
+             f"GRPO seeds: {', '.join(f'{k} {v}' for k, v in seeds.items())}; reward_train seed "
+             f"{params.get('reward_train', {}).get('seed', '-')}.", ""]
+    if figures is not None:
+        figures.mkdir(parents=True, exist_ok=True)
+        rel = Path(os.path.relpath(figures, out.parent))
+        curve = reward_curves(data, figures / "grpo_reward_curves.png")
+        lines += [f"![GRPO training reward per epoch]({(rel / curve.name).as_posix()})", "",
+                  "The final samples' contact sheets stay with the run (`data/final_samples/<subtask>/sheets/`: "
+                  "`base.png`, `lora.png`, and `compare.png` input / base / LoRA for edits; several MB each).", ""]
+    for section in (judge_section, grpo_section, timing_section):
+        lines += section(data) + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m paco.results", description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, default=Path("data"), help="the run's data folder (default data)")
+    p.add_argument("--out", type=Path, default=Path("docs/results.md"), help="the page to write")
+    p.add_argument("--figures", default="docs/figures/results",
+                   help="where the reward plot goes ('' for none)")
+    args = p.parse_args(argv)
+    try:
+        text = render(args.data, Path(args.figures) if args.figures else None, args.out)
+    except ResultsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
