@@ -1,4 +1,5 @@
-"""The judge server (OpenAI-compatible subset, dynamic batching) and its client."""
+"""The judge server (OpenAI-compatible subset over HTTP, limits, lifetime) and its client; the
+worker's batching and the request preparation are tests/test_serve_batching.py."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from paco.judge.model import Judge, JudgeContextError
+from paco.core.templates import judge_instruction
+from paco.judge.chat import build_openai_messages, png_bytes
 from paco.judge.client import JudgeClient, JudgeContextLengthError, JudgeError, LocalJudgeServer, yes_probability
-from paco.judge.serve import BatchingJudge, JudgeServer, ServerLimits
-from paco.judge.templates import build_openai_messages, judge_instruction, png_bytes
+from paco.judge.model import Judge, JudgeContextError
+from paco.judge.serve.app import JudgeServer
+from paco.judge.serve.limits import ServerLimits
 
 NAME = "paco-reward-test"
 VOCAB = 100_000
@@ -80,88 +82,6 @@ def test_yes_probability_answer_variants_is_the_reference_canonicalize():
     # only a lower-case variant of No among the top tokens: the other side is impossible
     assert yes_probability([{"token": " no", "logprob": -0.1}, {"token": "Yes.", "logprob": -0.2}],
                            answer_variants=True) == 0.0
-
-
-def _batch_rows(judge, triples: list, batching: str, top_k: int) -> tuple[list, list[int]]:
-    """Submit ``triples`` at once to a fresh batcher that collects exactly that many, return
-    the results in order and the batch sizes of the forward passes."""
-    sizes: list[int] = []
-
-    class Recording:  # the judge, recording how many rows each forward pass had
-        processor = judge.processor
-        device = judge.device
-        encode = staticmethod(judge.encode)
-
-        def logits(self, inputs):
-            sizes.append(int(inputs["input_ids"].shape[0]))
-            return judge.logits(inputs)
-
-    batcher = BatchingJudge(Recording(), max_batch_size=len(triples), max_wait_ms=20_000, batching=batching)
-    try:
-        futures = [batcher.submit(t, top_k) for t in triples]
-        return [f.result(timeout=120) for f in futures], sizes
-    finally:
-        batcher.close()
-
-
-@pytest.mark.parametrize("batching", ["auto", "single"])
-def test_logprobs_do_not_depend_on_the_batch(judge, batching):
-    """The same request, alone and inside batches of 4, 8 and 16 of other contents, prompt lengths
-    and image sizes, gets bit-identical log-probs of every vocabulary token (the old server
-    left-padded mixed batches into one pass: rows differed by ~3e-6)."""
-    ims = _images(4, seed=1, size=(100, 128)) + _images(2, seed=2, size=(128, 70)) + _images(2, seed=3)
-    target = (ims[0], ims[1], judge_instruction("a cat"))
-    same_shape = [(ims[2], ims[3], target[2]), (ims[1], ims[0], target[2]), (ims[3], ims[2], target[2])]
-    texts = [judge_instruction(t) for t in (None, "a red fox in the snow", "robots")]
-    mixed = [(ims[4 + i % 4], ims[(i * 3) % 8], texts[i % 3]) for i in range(12)]
-    assert len({judge.encode([t])["input_ids"].shape[1] for t in [target] + mixed}) >= 3
-    n_vocab = len(judge.processor.tokenizer)
-    (alone,), sizes = _batch_rows(judge, [target], batching, n_vocab)
-    assert sizes == [1] and len(alone[2]) == n_vocab
-    for others, pos in ((same_shape, 0), (same_shape[:1] + mixed[:6], 7), (same_shape + mixed, 9)):
-        triples = list(others)
-        triples.insert(pos, target)
-        results, sizes = _batch_rows(judge, triples, batching, n_vocab)
-        assert results[pos] == alone  # (token id, logprob, [(id, logprob), ...]) exactly
-        assert sizes == [1] * len(triples)  # auto is single: a pass per request, on any device
-
-
-def test_small_panels_get_the_same_vision_features_alone_and_batched(judge):
-    """GRPO's 128 px grids give 64 px panels: 8 merged vision tokens per image, where CPU GEMM
-    kernels for few rows round differently from the batch's (the vision tower batched changed the
-    logits by ~3e-6). In a batched forward pass (``same_shape``, ``Judge.score``) the tower runs
-    per row, so each row's image features are bit-identical to its own, alone: the same calls
-    with the same shapes."""
-    ims = _images(34, seed=5, size=(64, 64))
-    encodings = [judge.encode([(ims[i], ims[i + 1], judge_instruction(None))]) for i in range(33)]
-
-    def features(enc):
-        return judge.image_features(enc["input_ids"], enc["pixel_values"], enc["image_grid_thw"]).pooler_output
-
-    alone = [features(e) for e in encodings[:8]]
-    for n in (2, 3, 8, 32):
-        batch = {k: torch.cat([e[k] for e in encodings[:n]]) for k in encodings[0]}
-        together = features(batch)
-        assert len(together) == 2 * n
-        for i in range(min(n, 8)):
-            assert all(torch.equal(a, b) for a, b in zip(together[2 * i:2 * i + 2], alone[i], strict=True)), (n, i)
-
-
-def test_requests_with_different_image_grids_are_scored_alone(judge):
-    """GRPO's panels of one grid cut at separator bands differ by a pixel (32x32 and 31x32 px,
-    vision grids 4x4 and 6x4 patches). Batched, such a request's log-probs changed by ~1e-7
-    (the vision tower), which made GRPO runs differ run to run; they are scored alone, so
-    they equal the request alone bit for bit however they arrive."""
-    square, tall = _images(8, seed=11, size=(32, 32)), _images(8, seed=12, size=(31, 32))
-    text = judge_instruction(None)
-    triples = [(square[i], tall[i], text) for i in range(8)]
-    grids = judge.encode([triples[0]])["image_grid_thw"].tolist()
-    assert grids[0] != grids[1]
-    n_vocab = len(judge.processor.tokenizer)
-    alone = [_batch_rows(judge, [t], "single", n_vocab)[0][0] for t in triples]
-    together, sizes = _batch_rows(judge, triples + [(square[0], square[1], text)] * 2, "same_shape", n_vocab)
-    assert together[:8] == alone
-    assert sorted(sizes) == [1] * 8 + [2]  # the uniform-grid requests still share a pass
 
 
 def test_too_long_prompt_is_a_named_error_everywhere(server, judge):
@@ -276,7 +196,6 @@ def test_protocol_endpoints_and_errors(server):
         JudgeClient(url, "nope", retries=3).score([(a, b, "same?")])
 
 
-
 def test_unreachable_judge_fails_after_bounded_retries(dead_url):
     url = dead_url
     client = JudgeClient(url, NAME, retries=2, timeout_s=2)
@@ -360,31 +279,6 @@ def _check_one_bad_input(srv, url, judge, batching):
     np.testing.assert_allclose(good, judge.score([(a, b, "same?"), (b, b, "same?"), (a, b, "same?")]), atol=1e-5)
 
 
-def test_cancelled_requests_are_not_computed(judge):
-    from paco.judge.serve import BatchingJudge
-
-    calls: list[int] = []
-
-    class Counting:
-        processor = judge.processor
-        encode = staticmethod(judge.encode)
-
-        def logits(self, inputs):
-            calls.append(int(inputs["input_ids"].shape[0]))
-            return judge.logits(inputs)
-
-    batcher = BatchingJudge(Counting(), max_batch_size=8, max_wait_ms=300)
-    try:
-        a, b = _images(2)
-        kept = batcher.submit((a, b, "same?"), 5)
-        dropped = batcher.submit((b, a, "same?"), 5)
-        assert dropped.cancel()  # still queued (the batcher waits up to 300 ms for more)
-        assert kept.result(timeout=60)[2] and len(kept.result()[2]) == 5
-        assert calls == [1]
-    finally:
-        batcher.close()
-
-
 # ---------------------------------------------------------------------------------------------
 # the server as hostile or careless clients meet it
 # ---------------------------------------------------------------------------------------------
@@ -434,25 +328,6 @@ def test_official_client_and_raw_http_give_the_same_score(server, judge):
     official = JudgeClient(url, NAME, retries=0, top_logprobs=VOCAB).score([(a, b, text)])[0]
     assert yes_probability(top) == official
     assert official == pytest.approx(judge.score([(a, b, text)])[0], abs=1e-5)
-
-
-def test_image_feature_cache_is_bit_identical_and_hit(judge):
-    """Per-image cached features concatenated = the processor's own batch of both images, bit
-    for bit; a repeated image is preprocessed once."""
-    from paco.judge.serve import IMAGE_KEY, RequestPreparer
-
-    prep = RequestPreparer(judge, NAME, ServerLimits(), 5)
-    a, b, c = _images(3, seed=7, size=(90, 130))
-    triples = [(a, b, "same?"), (a, c, "same?"), (c, b, "same?")]
-    for triple in triples:
-        body = json.dumps(_request_body(*triple[:2])).encode()
-        got, top_k, inputs = prep(body)
-        assert top_k == 5 and got[0].info[IMAGE_KEY] and got[1].info[IMAGE_KEY]
-        want = judge.encode([triple])
-        assert set(inputs) == set(want)
-        for name in want:
-            assert torch.equal(inputs[name], want[name]), name
-    assert prep.image_features.misses == 3 and prep.image_features.hits == 3
 
 
 def test_many_concurrent_connections_are_all_answered(server):

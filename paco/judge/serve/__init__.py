@@ -1,0 +1,33 @@
+"""Serve a PaCo-Reward judge over the OpenAI-compatible subset that vLLM exposes (FastAPI + uvicorn).
+
+At paper scale the judge is served by vLLM on GPUs::
+
+    vllm serve data/reward_merge/model --served-model-name paco-reward --port 8000
+
+and the GRPO stage is pointed at it with ``judge_endpoint.url: http://<host>:8000/v1``. This package is
+the same protocol on a transformers backend, for CPUs, single GPUs and tests::
+
+    paco-serve-judge --model data/reward_merge/model --served-model-name paco-reward --port 8000
+
+(``python -m paco.judge.serve`` takes the same flags). Endpoints: ``POST /v1/chat/completions``
+(first-token scoring of one ``[image A, image B, text]`` message, with ``top_logprobs``),
+``GET /v1/models`` and ``GET /health``. With the default ``--batching auto`` (= ``single``) every
+request gets a forward pass of its own, so its log-probs are bit-identical however requests
+arrive (batch-invariant); the other modes trade that for speed.
+
+Modules, in the order a request meets them:
+
+* :mod:`paco.judge.serve.protocol` -- the wire format: the OpenAI request schema (pydantic) and
+  its parsing, the images of ``data:`` URLs, the ``chat.completion`` reply and the OpenAI error
+  object.
+* :mod:`paco.judge.serve.limits` -- :class:`~paco.judge.serve.limits.ServerLimits`, what one
+  request may cost before the model sees it.
+* :mod:`paco.judge.serve.preparation` -- the request path on the server's thread pool: parse,
+  decode (cached), bound the context and encode (per-image feature cache).
+* :mod:`paco.judge.serve.batching` -- the one worker thread that owns the model and the
+  ``--batching`` modes.
+* :mod:`paco.judge.serve.app` -- the FastAPI app (endpoints, errors, in-flight bound) and
+  :class:`~paco.judge.serve.app.JudgeServer`, the app on uvicorn.
+* :mod:`paco.judge.serve.cli` -- the command line (``main``) and the process lifetime
+  (``--parent-pid``, SIGTERM / SIGINT); ``python -m paco.judge.serve`` runs it.
+"""
