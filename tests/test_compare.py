@@ -1,6 +1,7 @@
-"""paco.compare: real `dvc exp show --json` documents from a throwaway git + DVC repository (a
-one-stage pipeline writing the GRPO / final-sample layout, experiments run with `dvc exp run`),
-the statistics against independent scipy computations and the report's table."""
+"""paco.compare: real experiments (listed in-process and as `dvc exp show --json` prints them) of a
+throwaway git + DVC repository (a one-stage pipeline writing the GRPO / final-sample layout,
+experiments run with `dvc exp run`), the statistics against independent scipy computations and the
+report's table."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,13 @@ import pytest
 import yaml
 from scipy import stats
 
-from paco import compare
+from paco.compare.ablations import queue_commands
+from paco.compare.cli import main
+from paco.compare.errors import CompareError, MissingMetricError
+from paco.compare.experiments import changed_params, exp_show, parse_exp_show, select
+from paco.compare.growth import reward_ratio, standardised_growth
+from paco.compare.report import write_report
+from paco.compare.timings import epoch_seconds
 
 pytestmark = pytest.mark.skipif(shutil.which("dvc") is None or shutil.which("git") is None,
                                 reason="needs the dvc and git executables")
@@ -127,7 +134,7 @@ def repo(tmp_path_factory) -> Path:
     _run(["dvc", "repro", "-q"], root)
     _run(["git", "add", "-A"], root)
     _run(["git", "commit", "-qm", "baseline"], root)
-    cmds = compare.queue_commands(["resolution", "aggregation", "first_token_weight"], PARAMS, targets=["fake"])
+    cmds = queue_commands(["resolution", "aggregation", "first_token_weight"], PARAMS, targets=["fake"])
     for cmd in cmds:  # the queued commands, run synchronously in temporary directories
         i = cmd.index("--queue")
         _run([*cmd[:i], "--temp", *cmd[i + 1:]], root)
@@ -137,7 +144,7 @@ def repo(tmp_path_factory) -> Path:
 
 
 def test_queue_commands_and_dry_run(tmp_path, capsys):
-    assert compare.queue_commands(["resolution", "aggregation", "first_token_weight", "cot"], PARAMS) == [
+    assert queue_commands(["resolution", "aggregation", "first_token_weight", "cot"], PARAMS) == [
         ["dvc", "exp", "run", "--queue", "-n", "resolution", "-S", "grpo.t2is.train.resolution=64", "final_samples@t2is"],
         ["dvc", "exp", "run", "--queue", "-n", "aggregation", "-S", "grpo.t2is.aggregation.method=weighted_sum",
          "final_samples@t2is"],
@@ -145,23 +152,25 @@ def test_queue_commands_and_dry_run(tmp_path, capsys):
          "reward_eval"],
         ["dvc", "exp", "run", "--queue", "-n", "cot", "-S", "labels.teacher.fast=false", "reward_eval"],
     ]
-    assert compare.queue_commands(["cot"], PARAMS, targets=[]) == [
+    assert queue_commands(["cot"], PARAMS, targets=[]) == [
         ["dvc", "exp", "run", "--queue", "-n", "cot", "-S", "labels.teacher.fast=false"]]
-    with pytest.raises(compare.CompareError, match="unknown ablation 'typo'"):
-        compare.queue_commands(["typo"], PARAMS)
-    with pytest.raises(compare.MissingMetricError, match="grpo.edit.eval.resolution"):
-        compare.queue_commands(["resolution"], PARAMS, subtask="edit")
+    with pytest.raises(CompareError, match="unknown ablation 'typo'"):
+        queue_commands(["typo"], PARAMS)
+    with pytest.raises(MissingMetricError, match="grpo.edit.eval.resolution"):
+        queue_commands(["resolution"], PARAMS, subtask="edit")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(PARAMS))
-    assert compare.main(["queue", "aggregation", "--params", str(tmp_path / "params.yaml"), "--dry-run"]) == 0
+    assert main(["queue", "aggregation", "--params", str(tmp_path / "params.yaml"), "--dry-run"]) == 0
     assert capsys.readouterr().out.strip() == \
         "dvc exp run --queue -n aggregation -S grpo.t2is.aggregation.method=weighted_sum final_samples@t2is"
 
 
-def test_parse_real_exp_show(repo):
-    doc = json.loads(_run(["dvc", "exp", "show", "--json"], repo))
-    rows = compare.parse_exp_show(doc)
+def test_exp_show_reads_real_experiments(repo):
+    rows = exp_show(repo)  # in-process (DVC's Repo.experiments.show)
+    # the same rows as from the document `dvc exp show --json` prints
+    assert rows == parse_exp_show(json.loads(_run(["dvc", "exp", "show", "--json"], repo)))
     by = {r.name: r for r in rows}
     assert rows[0].baseline and rows[0].name == "main"
+    assert by["main"].rev == _run(["git", "rev-parse", "HEAD"], repo).strip()  # full revisions
     assert set(by) == {"main", "resolution", "aggregation", "first_token_weight", "nometric", "waiting"}
     assert by["waiting"].state == "queued" and by["resolution"].parent == by["main"].rev == by["main"].parent
     assert by["resolution"].outs["data/grpo/t2is/plots/train.csv"] != by["main"].outs["data/grpo/t2is/plots/train.csv"]
@@ -169,17 +178,27 @@ def test_parse_real_exp_show(repo):
     assert by["resolution"].params["grpo.t2is.train.resolution"] == 64
     assert by["main"].params["grpo.t2is.train.resolution"] == 32
     assert by["aggregation"].params["grpo.t2is.aggregation.method"] == "weighted_sum"
-    assert compare.changed_params(by["aggregation"], by["main"]) == {"grpo.t2is.aggregation.method": "weighted_sum"}
+    assert changed_params(by["aggregation"], by["main"]) == {"grpo.t2is.aggregation.method": "weighted_sum"}
     train, ev, _ = _generate(PARAMS)
     assert by["main"].metric("data/grpo/t2is/metrics.json", "eval_reward") == pytest.approx(ev["reward"].iloc[-1])
-    with pytest.raises(compare.MissingMetricError, match=r"'nometric'.*data/grpo/t2is/metrics.json:eval_reward"):
+    with pytest.raises(MissingMetricError, match=r"'nometric'.*data/grpo/t2is/metrics.json:eval_reward"):
         by["nometric"].metric("data/grpo/t2is/metrics.json", "eval_reward")
-    with pytest.raises(compare.CompareError, match="DVC 3"):
-        compare.parse_exp_show({"workspace": {}})
-    with pytest.raises(compare.CompareError, match="'waiting' is queued"):
-        compare.select(rows, ["waiting"])
-    with pytest.raises(compare.CompareError, match="no finished experiments"):
-        compare.select(rows[:1], None)
+    with pytest.raises(CompareError, match="DVC 3"):
+        parse_exp_show({"workspace": {}})
+    with pytest.raises(CompareError, match="'waiting' is queued"):
+        select(rows, ["waiting"])
+    with pytest.raises(CompareError, match="no finished experiments"):
+        select(rows[:1], None)
+
+
+def test_exp_show_errors_name_the_repository(repo, tmp_path):
+    with pytest.raises(CompareError, match=r"cannot list the experiments of .*NotDvcRepoError"):
+        exp_show(tmp_path)
+    with pytest.raises(CompareError, match="commits must be >= 1, got 0"):
+        exp_show(repo, commits=0)
+    # a repository with one commit: -n 2 lists what -n 1 does
+    assert [(r.name, r.rev, r.state) for r in exp_show(repo, commits=2)] == \
+        [(r.name, r.rev, r.state) for r in exp_show(repo)]
 
 
 def _params_with(**sets) -> dict:
@@ -201,7 +220,7 @@ def test_report_table_and_statistics(repo, tmp_path):
                              for e in range(1, 11)))
     log2 = tmp_path / "resolution.log"  # a bare stage log (no `Running stage` lines): counts entirely
     log2.write_text("".join(f"epoch {e}/10: reward 0.1 +- 0 (a 0.1) | |A| 0.1 | {1.5 * e:.1f} s\n" for e in range(1, 11)))
-    assert compare.main(["report", "--repo", str(repo), "--exp", "resolution", "--exp", "aggregation",
+    assert main(["report", "--repo", str(repo), "--exp", "resolution", "--exp", "aggregation",
                          "--out", str(out), "--window", "3", "--log", f"main={log}", "--log", f"resolution={log2}",
                          "--section", "grpo"]) == 0
     md = (out / "report.md").read_text()
@@ -252,36 +271,36 @@ def test_report_table_and_statistics(repo, tmp_path):
 
 
 def test_report_names_the_missing_metric(repo, tmp_path, capsys):
-    assert compare.main(["report", "--repo", str(repo), "--exp", "nometric", "--out", str(tmp_path)]) == 2
+    assert main(["report", "--repo", str(repo), "--exp", "nometric", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "'nometric'" in err and "data/grpo/t2is/metrics.json:eval_reward" in err
-    assert compare.main(["report", "--repo", str(repo), "--exp", "typo", "--out", str(tmp_path)]) == 2
+    assert main(["report", "--repo", str(repo), "--exp", "typo", "--out", str(tmp_path)]) == 2
     assert "no experiment named 'typo'" in capsys.readouterr().err
 
 
 def test_standardised_growth_and_reward_ratio():
     train = pd.DataFrame({"epoch": [2, 1, 3, 4], "x_mean": [0.2, 0.0, 0.4, 0.6], "x_std": [9, 0.5, 9, 9],
                           "y_mean": [-1.0, -1.0, -0.9, -0.9], "y_std": [1, 0.1, 1, 1], "advantage_abs_mean": 0.0})
-    g = compare.standardised_growth(train, 2)  # sorted by epoch; std of epoch 1
+    g = standardised_growth(train, 2)  # sorted by epoch; std of epoch 1
     assert g == pytest.approx({"x": (0.5 - 0.1) / 0.5, "y": (-0.9 + 1.0) / 0.1})
-    assert compare.reward_ratio(g) == pytest.approx(1.0 / 0.8)
+    assert reward_ratio(g) == pytest.approx(1.0 / 0.8)
     with pytest.raises(ValueError, match="need >= 2 x window"):
-        compare.standardised_growth(train, 3)
+        standardised_growth(train, 3)
 
 
 def test_epoch_seconds_from_logs():
     text = ("Running stage 'grpo@kontext_editing':\nINFO epoch 1/2: reward 0.1 +- 0 (c 1) | |A| 0.1 | 50.0 s\n"
             "Running stage 'grpo@t2is':\nINFO epoch 1/2: reward 0.1 +- 0 (c 1) | |A| 0.1 | 9.1 s\n"
             "INFO epoch 2/2: reward 0.2 +- 0 (c 1) | |A| 0.1 | 7.25 s\n")
-    assert compare.epoch_seconds(text, "grpo@t2is") == {1: 9.1, 2: 7.25}
-    assert compare.epoch_seconds("INFO epoch 3/4: reward 1 | 2.5 s\n", "grpo@t2is") == {3: 2.5}
-    assert compare.epoch_seconds("nothing here", "grpo@t2is") == {}
+    assert epoch_seconds(text, "grpo@t2is") == {1: 9.1, 2: 7.25}
+    assert epoch_seconds("INFO epoch 3/4: reward 1 | 2.5 s\n", "grpo@t2is") == {3: 2.5}
+    assert epoch_seconds("nothing here", "grpo@t2is") == {}
 
 
 def test_report_judge_section(repo, tmp_path):
     out = tmp_path / "judge"
     # default sections: every one whose metrics file the baseline has (grpo and judge here)
-    compare.report(repo, ["first_token_weight"], out, window=3)
+    write_report(repo, ["first_token_weight"], out, window=3)
     md = (out / "report.md").read_text()
     # first_token_weight leaves the final samples as they are (same DVC hash): no GRPO table
     assert "Section grpo: left out `first_token_weight`" in md and "### GRPO" not in md and "### Judge" in md
