@@ -30,6 +30,7 @@ import yaml  # noqa: E402
 
 from paco.models.clip import ClipScorer  # noqa: E402
 from paco.core.run_identity import params_identity  # noqa: E402
+from workflow.registry import member  # noqa: E402
 from paco.grpo.trainer import train_grpo  # noqa: E402
 from paco.core.io import read_parquet  # noqa: E402
 from paco.judge.client import JudgeClient, LocalJudgeServer  # noqa: E402
@@ -84,7 +85,7 @@ def main() -> None:
                     cfg = GrpoSubtaskParams.model_validate(raw)
                     h0 = client.health()
                     t0 = time.perf_counter()
-                    identity = params_identity("grpo@t2is", {"grpo.t2is": cfg.model_dump(mode="json"),
+                    identity = params_identity(member("grpo@t2is"), {"grpo.t2is": cfg.model_dump(mode="json"),
                                                              "judge_endpoint": judge,
                                                              "subfigures": params["subfigures"]})
                     lora = Path(tmp) / f"lora{res}-{overlap}"

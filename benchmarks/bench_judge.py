@@ -84,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     from paco.judge.model import Judge
     from paco.judge.client import JudgeClient, LocalJudgeServer
-    from paco.judge.templates import judge_instruction
+    from paco.core.templates import judge_instruction
 
     params = load_params(ROOT / "params.yaml")
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,8 +133,8 @@ def main() -> None:
         from paco.judge.model import check_answer_tokens, encode_sft
         from paco.judge.losses import first_token_weighted_loss
         from paco.models.loading import load_judge
-        from paco.judge.training import apply_lora
-        from paco.judge.templates import format_response
+        from paco.judge.lora import apply_lora
+        from paco.judge.response import format_response
 
         cfg = params.reward_train
         model, processor = load_judge(args.judge)

@@ -39,7 +39,7 @@ def main() -> None:
     from bench_judge import panels
     from paco.judge.client import JudgeClient, LocalJudgeServer
     from paco.judge.model import Judge
-    from paco.judge.templates import judge_instruction
+    from paco.core.templates import judge_instruction
 
     if not torch.cuda.is_available():
         sys.exit("bench_vllm needs a CUDA device")

@@ -53,11 +53,14 @@ import math
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke_inputs import pair_images, prompts_table, sft_table  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -91,79 +94,6 @@ VLLM_TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2}
 def vllm_tolerance(dtype: str) -> float:
     """:data:`VLLM_TOLERANCE` of ``dtype``."""
     return VLLM_TOLERANCE[dtype]
-
-
-# --------------------------------------------------------------------------------------------
-# inputs: synthetic pairs and prompts
-# --------------------------------------------------------------------------------------------
-
-
-def _texture(rng: np.random.Generator, size: int) -> np.ndarray:
-    from PIL import Image
-
-    noise = rng.normal(0.0, 1.0, (max(2, size // 8), max(2, size // 8), 3))
-    tint = rng.uniform(0.2, 0.9, 3)
-    img = Image.fromarray(np.uint8(np.clip(128 + 60 * noise, 0, 255))).resize((2 * size, 2 * size), Image.BILINEAR)
-    x = np.asarray(img, np.float32) / 255.0
-    return np.uint8(np.clip((0.5 * x + 0.5 * tint) * 255, 0, 255))
-
-
-def _view(rng: np.random.Generator, arr: np.ndarray, size: int):
-    from PIL import Image
-
-    s = int(rng.uniform(0.7, 0.95) * arr.shape[0])
-    y0, x0 = rng.integers(0, arr.shape[0] - s + 1, size=2)
-    return Image.fromarray(arr[y0:y0 + s, x0:x0 + s]).resize((size, size), Image.BILINEAR)
-
-
-def pair_images(n: int, size: int, seed: int = 0) -> list[tuple[Any, Any, bool]]:
-    """``n`` panel pairs ``(A, B, label)`` of ``size`` px: even ``i`` two crops of one random
-    texture (a consistent pair, label True), odd ``i`` crops of two textures (False)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        a = _texture(rng, size)
-        b = a if i % 2 == 0 else _texture(rng, size)
-        out.append((_view(rng, a, size), _view(rng, b, size), i % 2 == 0))
-    return out
-
-
-def sft_table(n_train: int, n_test: int, size: int, seed: int = 0):
-    """An ``sft.parquet``-shaped table (the labels stage's columns) of synthetic pairs with the
-    T2IS theme instruction (the preset's ``labels.instruction: theme``)."""
-    import pandas as pd
-
-    from paco.core.io import encode_image
-    from paco.judge.templates import format_response, judge_instruction
-
-    rows = []
-    for k, (a, b, label) in enumerate(pair_images(n_train + n_test, size, seed)):
-        split = "train" if k < n_train else "test"
-        reasons = ["the textures and colours match."] if label else ["the colour palettes differ."]
-        rows.append({"pair_id": f"{split}-{k:04d}", "instance_id": f"inst-{k // 2}", "prompt_id": f"p{k % 4}",
-                     "split": split, "instruction": judge_instruction("a textured wall"),
-                     "image_a": encode_image(a), "image_b": encode_image(b), "label": label, "reasons": reasons,
-                     "response": format_response(label, reasons), "teacher": "synthetic", "status": "ok",
-                     "error": None})
-    return pd.DataFrame(rows)
-
-
-def prompts_table(n_train: int, n_test: int):
-    """A ``prompts.parquet``-shaped table: 2x2 T2IS grids of 1024 x 1024 px."""
-    import pandas as pd
-
-    subjects = ["a red fox", "a lighthouse", "a paper boat", "a snowy cabin", "a teapot", "a bicycle"]
-    rows = []
-    for i in range(n_train + n_test):
-        s = subjects[i % len(subjects)]
-        panels = [f"{s} at dawn.", f"{s} at noon.", f"{s} at dusk.", f"{s} at night."]
-        rows.append({"prompt_id": f"p{i:02d}", "split": "train" if i < n_train else "test",
-                     "prompt": f"FOUR-PANEL Images with a 2x2 grid layout of {s} through one day. "
-                               f"[TOP]-[LEFT]:{panels[0]} [TOP]-[RIGHT]:{panels[1]} "
-                               f"[BOTTOM]-[LEFT]:{panels[2]} [BOTTOM]-[RIGHT]:{panels[3]}",
-                     "global_prompt": f"{s} through one day", "rows": 2, "cols": 2, "panel_prompts": panels,
-                     "height": 1024, "width": 1024, "category": "smoke", "criteria": []})
-    return pd.DataFrame(rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,6 +224,218 @@ def _serve_vllm(timer: Stages, merged: Path, name: str, dtype: str, top: int, tr
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Run:
+    """What the smoke run's steps share: where it writes, the device, the models, the params."""
+
+    workdir: Path
+    device: str
+    dtype: str
+    seed: int
+    sizes: dict[str, int]
+    timer: Stages
+    dirs: dict[str, Path]
+    top: int
+    params: Any
+    params_path: Path
+    accelerator: Any
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
+
+
+def _build(workdir: Path, device: str, dtype: str, width_scale: float, seed: int, sizes: dict[str, int],
+           timer: Stages) -> _Run:
+    """Build the models, write the scaled paper params, make the run's one accelerator."""
+    import yaml
+    from accelerate import Accelerator
+
+    from paco.core.params import validate_params
+    from paco.models.loading import load_qwen_vl_processor
+    from paco.models.smoke import SMOKE_JUDGE_MAX_PIXELS, build_smoke_models
+
+    with timer.stage("build") as row:
+        max_px = SMOKE_JUDGE_MAX_PIXELS if width_scale == 1.0 else max(sizes["panel_px"] ** 2, 56 * 56)
+        dirs = build_smoke_models(workdir / "models", seed=seed, width_scale=width_scale, judge_max_pixels=max_px)
+        row["bytes"] = {r: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for r, d in dirs.items()}
+    top = len(load_qwen_vl_processor(dirs["judge_base"]).tokenizer)
+    raw = smoke_params(device, dtype, sizes, top)
+    params = validate_params(raw, source="gpu_smoke params")
+    params_path = workdir / "params.yaml"
+    params_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    # one accelerator for the run (accelerate's state is a process singleton): the judge step's
+    # gradient accumulation and bf16 autocast; GRPO and final sampling only take its device
+    rt = params.reward_train
+    accelerator = Accelerator(cpu=not device.startswith("cuda"),
+                              mixed_precision="bf16" if (dtype == "bfloat16" and timer.cuda) else "no",
+                              gradient_accumulation_steps=rt.gradient_accumulation_steps)
+    return _Run(workdir, device, dtype, seed, sizes, timer, dirs, top, params, params_path, accelerator)
+
+
+def _sft(run: _Run) -> Path:
+    """(a) judge SFT: one optimizer step with the paper's LoRA; returns the SFT table's path."""
+    from paco.core.io import write_parquet
+    from paco.core.run_identity import params_identity
+    from paco.judge.model import check_answer_tokens
+    from paco.judge.sft_data import encode_rows, load_sft_rows
+    from paco.judge.training import train_reward
+    from paco.models.loading import load_qwen_vl_processor
+    from workflow.registry import member
+
+    rt, w = run.params.reward_train, run.workdir
+    n_train = rt.batch_size * rt.gradient_accumulation_steps
+    sft_path = w / "sft.parquet"
+    write_parquet(sft_path, sft_table(n_train, 8, run.sizes["panel_px"], run.seed), image_columns=["image_a", "image_b"])
+    with run.timer.stage("sft"):
+        out = train_reward(rt, sft_path, run.dirs["judge_base"],
+                           identity=params_identity(member("reward_train"), {"reward_train": rt.model_dump(mode="json")}),
+                           adapter_dir=w / "adapter", checkpoints_dir=w / "sft_checkpoints",
+                           plots_dir=None, accelerator=run.accelerator)
+    rep = out["report"]
+    # tokens of the step: its training rows as the trainer encodes them (prompt + response)
+    processor = load_qwen_vl_processor(run.dirs["judge_base"])
+    rows = load_sft_rows(sft_path, "train")
+    tokens = int(encode_rows(processor, rows, check_answer_tokens(processor.tokenizer))["attention_mask"].sum())
+    run.timer.rows["sft"].update(
+        loss=rep["train_loss_final"], eval=rep["eval_final"], optimizer_steps=rep["total_steps"],
+        mixed_precision=rep["mixed_precision"], train_seconds_per_step=rep["seconds_per_step"],
+        lora=dict(rank=rt.lora.rank, alpha=rt.lora.alpha), trainable_parameters=rep["parameters"]["trainable"],
+        parameters=rep["parameters"]["total"], lora_b_abs_max=_lora_b_abs_max(w / "adapter/adapter_model.safetensors"),
+        pairs=n_train, tokens=tokens,
+        checkpoints=sorted(p.name for p in (w / "sft_checkpoints").iterdir() if not p.name.startswith(".")),
+        # the optimizer step alone (the stage's seconds also hold loading, evaluation, checkpoint)
+        pairs_per_s=rep["train_pairs_per_second"],
+        tokens_per_s=round(tokens / rep["seconds_per_step"], 1) if rep["seconds_per_step"] else None)
+    return sft_path
+
+
+def _merge(run: _Run, sft_path: Path) -> Path:
+    """(b) merge: the reward_merge stage itself; returns the merged judge's directory."""
+    from stages import reward_merge
+
+    w, merged = run.workdir, run.workdir / "judge_merged"
+    with run.timer.stage("merge"):
+        code = reward_merge.main(["--params", str(run.params_path), "--base", str(run.dirs["judge_base"]), "--adapter",
+                                  str(w / "adapter"), "--sft", str(sft_path), "--out", str(merged),
+                                  "--metrics", str(w / "merge/metrics.json")])
+        if code != 0:
+            raise RuntimeError(f"stages.reward_merge exited {code}")
+    merge_report = json.loads((w / "merge/report.json").read_text())
+    run.timer.rows["merge"].update(max_abs_diff=merge_report["max_abs_diff"], tolerance=merge_report["tolerance"],
+                                   parameters=merge_report["parameters"])
+    return merged
+
+
+def _reference_scores(run: _Run, merged: Path, engines: tuple[str, ...]) -> tuple[list, np.ndarray, dict[str, Any]]:
+    """(c, first half) the in-process judge's scores of the test pairs, then vLLM against them
+    (vLLM first: it wants most of the free device memory at start-up)."""
+    import torch
+
+    from paco.core.templates import judge_instruction
+    from paco.judge.model import Judge
+
+    run.accelerator.free_memory()  # the judge step's model and optimizer, held by the accelerator
+    run.accelerator._custom_objects.clear()  # its scheduler (registered for checkpointing)
+    _release(run.timer.cuda)
+    pairs = pair_images(run.sizes["pairs"], run.sizes["panel_px"], run.seed + 1)
+    triples = [(a, b, judge_instruction("a textured wall")) for a, b, _ in pairs]
+    judge = Judge.from_pretrained(merged, dtype=run.torch_dtype, device=run.device, batch_size=1)
+    judge.score(triples[:1])  # warm-up (kernels, allocator)
+    with run.timer.stage("judge_in_process"):
+        reference = np.asarray(judge.score(triples))
+    run.timer.rows["judge_in_process"]["pairs_per_s"] = round(
+        len(triples) / run.timer.rows["judge_in_process"]["seconds"], 2)
+    del judge
+    _release(run.timer.cuda)
+    serve_rows: dict[str, Any] = {}
+    if "vllm" in engines:
+        # float32 (tests/test_vllm.py's tolerance, weights upcast from the merged bf16 ones) and the
+        # run's dtype (the paper's serving), each against the in-process judge in the same dtype
+        for vdtype in dict.fromkeys(["float32", run.dtype]):
+            ref = reference
+            if vdtype != run.dtype and run.timer.cuda:
+                judge = Judge.from_pretrained(merged, dtype=torch.float32, device=run.device, batch_size=1)
+                ref = np.asarray(judge.score(triples))
+                del judge
+                _release(run.timer.cuda)
+            serve_rows[f"vllm-{vdtype}"] = _serve_vllm(run.timer, merged, run.params.judge_endpoint.served_model_name,
+                                                       vdtype, run.top, triples, ref,
+                                                       run.workdir / f"server/vllm-{vdtype}.log")
+    return triples, reference, serve_rows
+
+
+def _serve(run: _Run, url: str, triples: list, reference: np.ndarray, serve_rows: dict[str, Any],
+           engines: tuple[str, ...]) -> None:
+    """(c, second half) the project's judge server, scored through the project's client."""
+    from paco.judge.client import JudgeClient
+
+    if "paco" in engines:
+        client = JudgeClient(url, run.params.judge_endpoint.served_model_name, concurrency=16, top_logprobs=run.top)
+        client.score(triples[:1])  # warm-up
+        with run.timer.stage("serve"):
+            got = np.asarray(client.score(triples))
+        serve_rows["paco"] = dict(scores=got.tolist(), max_abs_diff_vs_transformers=float(np.abs(got - reference).max()),
+                                  tolerance=SERVER_TOLERANCE,
+                                  pairs_per_s=round(len(triples) / run.timer.rows["serve"]["seconds"], 2))
+    run.timer.rows.setdefault("serve", {}).update(engines=serve_rows, reference=reference.tolist(), pairs=len(triples))
+
+
+def _grpo(run: _Run, ctx: Any, prompts: Any) -> None:
+    """(d) one GRPO epoch through the real trainer, rewards through the served judge."""
+    from paco.core.run_identity import params_identity
+    from paco.grpo.trainer import train_grpo
+    from workflow.registry import member
+
+    cfg, params, w = run.params.grpo["t2is"], run.params, run.workdir
+    with run.timer.stage("grpo"):
+        gout = train_grpo(cfg, prompts, run.dirs["policy_t2is"], ctx,
+                          identity=params_identity(member("grpo@t2is"), {
+                              "grpo.t2is": cfg.model_dump(mode="json"),
+                              "judge_endpoint": params.judge_endpoint.model_dump(mode="json"),
+                              "subfigures": params.subfigures.model_dump(mode="json")}),
+                          lora_dir=w / "grpo_lora", checkpoints_dir=w / "grpo_checkpoints",
+                          plots_dir=None, accelerator=run.accelerator)
+    g = gout["report"]
+    n_traj, sec = g["trajectories_per_epoch"], g["seconds"]
+    run.timer.rows["grpo"].update(
+        loss=g["train_final"].get("loss"), reward=g["train_final"].get("reward"),
+        rewards={k: g["train_final"].get(f"{k}_mean") for k in cfg.rewards},
+        eval_reward=g["eval_final"].get("reward"), trajectories=n_traj, sde_steps=list(cfg.rollout.sde_indices),
+        rollout_steps=cfg.rollout.num_steps, resolution=cfg.train.resolution, eval_resolution=cfg.eval.resolution,
+        substeps_seconds=sec, lora=dict(rank=cfg.lora.rank, alpha=cfg.lora.alpha),
+        lora_parameters=g["lora_parameters"],
+        lora_b_abs_max=_lora_b_abs_max(w / "grpo_lora/pytorch_lora_weights.safetensors"),
+        checkpoints=sorted(p.name for p in (w / "grpo_checkpoints").iterdir() if p.name.startswith("epoch-")),
+        judge_requests=ctx.judge.requests,
+        images_per_s=round(n_traj / sec["rollout"], 3) if sec.get("rollout") else None)
+
+
+def _final(run: _Run, ctx: Any, prompts: Any) -> None:
+    """(e) final sampling with and without the LoRA."""
+    from paco.core.io import decode_image
+    from paco.grpo.final_samples import final_samples
+    from paco.grpo.policies import grid_size
+
+    _release(run.timer.cuda)  # the GRPO policy
+    fcfg = run.params.final_samples["t2is"]
+    with run.timer.stage("final"):
+        table, _, metrics = final_samples(fcfg, prompts, run.dirs["policy_t2is"], run.workdir / "grpo_lora", ctx,
+                                          accelerator=run.accelerator)
+    sizes_seen = sorted({decode_image(c).size for c in table["image"]})
+    h, w = grid_size(1024, 1024, fcfg.resolution)
+    base, lora = table[table["variant"] == "base"]["image"], table[table["variant"] == "lora"]["image"]
+    run.timer.rows["final"].update(
+        samples=len(table), image_sizes=[list(s) for s in sizes_seen], expected_size=[w, h],
+        rewards={k: {"base": v["base_mean"], "lora": v["lora_mean"]} for k, v in metrics["rewards"].items()},
+        consistency=table["reward_consistency"].tolist(),
+        lora_differs=bool(any(decode_image(a).tobytes() != decode_image(b).tobytes()
+                              for a, b in zip(base, lora, strict=True))),
+        images_per_s=round(len(table) / run.timer.rows["final"]["seconds"], 3))
+
+
 def run_smoke(workdir: Path, *, device: str = "cuda", dtype: str = "bfloat16", width_scale: float = 1.0,
               seed: int = 0, engines: tuple[str, ...] = ("paco", "vllm"), sizes: dict[str, int] | None = None
               ) -> dict[str, Any]:
@@ -309,23 +451,9 @@ def run_smoke(workdir: Path, *, device: str = "cuda", dtype: str = "bfloat16", w
         RuntimeError: ``device`` is CUDA and none is available, or a stage exits non-zero.
     """
     import torch
-    import yaml
-    from accelerate import Accelerator
 
-    from paco.core.io import decode_image, write_parquet
-    from paco.core.params import validate_params
-    from paco.core.run_identity import params_identity
-    from paco.grpo.final_samples import final_samples
-    from paco.grpo.judge_endpoint import judge_endpoint, make_reward_context
-    from paco.grpo.policies import grid_size
-    from paco.grpo.trainer import train_grpo
-    from paco.judge.client import JudgeClient
-    from paco.judge.model import Judge
-    from paco.judge.templates import judge_instruction
-    from paco.judge.training import train_reward
-    from paco.models.loading import load_judge_processor
-    from paco.models.smoke import SMOKE_JUDGE_MAX_PIXELS, build_smoke_models
-    from stages import reward_merge
+    from paco.grpo.judge_endpoint import judge_endpoint
+    from paco.grpo.rewards import make_reward_context
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("gpu_smoke: --device cuda but torch.cuda.is_available() is false "
@@ -333,156 +461,23 @@ def run_smoke(workdir: Path, *, device: str = "cuda", dtype: str = "bfloat16", w
     sizes = {**SIZES["cuda" if device.startswith("cuda") else "cpu"], **(sizes or {})}
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     timer = Stages(device)
     results: dict[str, Any] = {"config": {"device": device, "dtype": dtype, "width_scale": width_scale, "seed": seed,
                                           "sizes": sizes, "torch": torch.__version__,
                                           "gpu": torch.cuda.get_device_name() if timer.cuda else None},
                                "stages": timer.rows}
-
-    with timer.stage("build") as row:
-        max_px = SMOKE_JUDGE_MAX_PIXELS if width_scale == 1.0 else max(sizes["panel_px"] ** 2, 56 * 56)
-        dirs = build_smoke_models(workdir / "models", seed=seed, width_scale=width_scale, judge_max_pixels=max_px)
-        row["bytes"] = {r: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for r, d in dirs.items()}
-    top = len(load_judge_processor(dirs["judge_base"]).tokenizer)
-    raw = smoke_params(device, dtype, sizes, top)
-    params = validate_params(raw, source="gpu_smoke params")
-    params_path = workdir / "params.yaml"
-    params_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    # one accelerator for the run (accelerate's state is a process singleton): the judge step's
-    # gradient accumulation and bf16 autocast; GRPO and final sampling only take its device
-    rt = params.reward_train
-    accelerator = Accelerator(cpu=not device.startswith("cuda"),
-                              mixed_precision="bf16" if (dtype == "bfloat16" and timer.cuda) else "no",
-                              gradient_accumulation_steps=rt.gradient_accumulation_steps)
-
-    # (a) judge SFT: one optimizer step with the paper's LoRA
-    n_train = rt.batch_size * rt.gradient_accumulation_steps
-    sft = sft_table(n_train, 8, sizes["panel_px"], seed)
-    sft_path = workdir / "sft.parquet"
-    write_parquet(sft_path, sft, image_columns=["image_a", "image_b"])
-    with timer.stage("sft") as row:
-        out = train_reward(rt, sft_path, dirs["judge_base"],
-                           identity=params_identity("reward_train", {"reward_train": rt.model_dump(mode="json")}),
-                           adapter_dir=workdir / "adapter", checkpoints_dir=workdir / "sft_checkpoints",
-                           plots_dir=None, accelerator=accelerator)
-    rep = out["report"]
-    # tokens of the step: its training rows as the trainer encodes them (prompt + response)
-    from paco.judge.model import check_answer_tokens
-    from paco.judge.training import encode_rows, load_sft_rows
-
-    processor = load_judge_processor(dirs["judge_base"])
-    rows = load_sft_rows(sft_path, "train")
-    tokens = int(encode_rows(processor, rows, check_answer_tokens(processor.tokenizer))["attention_mask"].sum())
-    timer.rows["sft"].update(
-        loss=rep["train_loss_final"], eval=rep["eval_final"], optimizer_steps=rep["total_steps"],
-        mixed_precision=rep["mixed_precision"], train_seconds_per_step=rep["seconds_per_step"],
-        lora=dict(rank=rt.lora.rank, alpha=rt.lora.alpha), trainable_parameters=rep["parameters"]["trainable"],
-        parameters=rep["parameters"]["total"], lora_b_abs_max=_lora_b_abs_max(workdir / "adapter/adapter_model.safetensors"),
-        pairs=n_train, tokens=tokens,
-        checkpoints=sorted(p.name for p in (workdir / "sft_checkpoints").iterdir() if not p.name.startswith(".")),
-        # the optimizer step alone (the stage's seconds also hold loading, evaluation, checkpoint)
-        pairs_per_s=rep["train_pairs_per_second"],
-        tokens_per_s=round(tokens / rep["seconds_per_step"], 1) if rep["seconds_per_step"] else None)
-
-    # (b) merge: the reward_merge stage itself
-    merged = workdir / "judge_merged"
-    with timer.stage("merge") as row:
-        code = reward_merge.main(["--params", str(params_path), "--base", str(dirs["judge_base"]), "--adapter",
-                                  str(workdir / "adapter"), "--sft", str(sft_path), "--out", str(merged),
-                                  "--metrics", str(workdir / "merge/metrics.json")])
-        if code != 0:
-            raise RuntimeError(f"stages.reward_merge exited {code}")
-    merge_report = json.loads((workdir / "merge/report.json").read_text())
-    timer.rows["merge"].update(max_abs_diff=merge_report["max_abs_diff"], tolerance=merge_report["tolerance"],
-                               parameters=merge_report["parameters"])
-
-    # (c) serving: vLLM first (it wants most of the free device memory at start-up), then the
-    # project's server, kept up for GRPO and final sampling; both against the in-process judge
-    accelerator.free_memory()  # the judge step's model and optimizer, held by the accelerator
-    accelerator._custom_objects.clear()  # its scheduler (registered for checkpointing)
-    _release(timer.cuda)
-    text = params.judge_endpoint
-    pairs = pair_images(sizes["pairs"], sizes["panel_px"], seed + 1)
-    triples = [(a, b, judge_instruction("a textured wall")) for a, b, _ in pairs]
-    judge = Judge.from_pretrained(merged, dtype=torch_dtype, device=device, batch_size=1)
-    judge.score(triples[:1])  # warm-up (kernels, allocator)
-    with timer.stage("judge_in_process") as row:
-        reference = np.asarray(judge.score(triples))
-    timer.rows["judge_in_process"]["pairs_per_s"] = round(len(triples) / timer.rows["judge_in_process"]["seconds"], 2)
-    del judge
-    _release(timer.cuda)
-    serve_rows: dict[str, Any] = {}
-    if "vllm" in engines:
-        # float32 (tests/test_vllm.py's tolerance, weights upcast from the merged bf16 ones) and the
-        # run's dtype (the paper's serving), each against the in-process judge in the same dtype
-        for vdtype in dict.fromkeys(["float32", dtype]):
-            ref = reference
-            if vdtype != dtype and timer.cuda:
-                judge = Judge.from_pretrained(merged, dtype=torch.float32, device=device, batch_size=1)
-                ref = np.asarray(judge.score(triples))
-                del judge
-                _release(timer.cuda)
-            serve_rows[f"vllm-{vdtype}"] = _serve_vllm(timer, merged, text.served_model_name, vdtype, top, triples,
-                                                       ref, workdir / f"server/vllm-{vdtype}.log")
+    run = _build(workdir, device, dtype, width_scale, seed, sizes, timer)
+    merged = _merge(run, _sft(run))
+    triples, reference, serve_rows = _reference_scores(run, merged, engines)
     with contextlib.ExitStack() as stack:
         with timer.stage("serve_start"):
-            endpoint = stack.enter_context(judge_endpoint(params, merged, accelerator, workdir / "server"))
+            endpoint = stack.enter_context(judge_endpoint(run.params, merged, run.accelerator, workdir / "server"))
             url = endpoint.url()
-        if "paco" in engines:
-            client = JudgeClient(url, text.served_model_name, concurrency=16, top_logprobs=top)
-            client.score(triples[:1])  # warm-up
-            with timer.stage("serve") as row:
-                got = np.asarray(client.score(triples))
-            serve_rows["paco"] = dict(scores=got.tolist(), max_abs_diff_vs_transformers=float(np.abs(got - reference).max()),
-                                      tolerance=SERVER_TOLERANCE,
-                                      pairs_per_s=round(len(triples) / timer.rows["serve"]["seconds"], 2))
-        timer.rows.setdefault("serve", {}).update(engines=serve_rows, reference=reference.tolist(), pairs=len(triples))
-
-        # (d) one GRPO epoch through the real trainer, rewards through the served judge
-        ctx = make_reward_context(params, endpoint, dirs["clip"])
-        cfg = params.grpo["t2is"]
-        prompts = prompts_table(cfg.prompts_per_epoch, 2)
-        with timer.stage("grpo"):
-            gout = train_grpo(cfg, prompts, dirs["policy_t2is"], ctx,
-                              identity=params_identity("grpo@t2is", {
-                                  "grpo.t2is": cfg.model_dump(mode="json"),
-                                  "judge_endpoint": params.judge_endpoint.model_dump(mode="json"),
-                                  "subfigures": params.subfigures.model_dump(mode="json")}),
-                              lora_dir=workdir / "grpo_lora", checkpoints_dir=workdir / "grpo_checkpoints",
-                              plots_dir=None, accelerator=accelerator)
-        g = gout["report"]
-        n_traj = g["trajectories_per_epoch"]
-        sec = g["seconds"]
-        timer.rows["grpo"].update(
-            loss=g["train_final"].get("loss"), reward=g["train_final"].get("reward"),
-            rewards={k: g["train_final"].get(f"{k}_mean") for k in cfg.rewards},
-            eval_reward=g["eval_final"].get("reward"), trajectories=n_traj, sde_steps=list(cfg.rollout.sde_indices),
-            rollout_steps=cfg.rollout.num_steps, resolution=cfg.train.resolution, eval_resolution=cfg.eval.resolution,
-            substeps_seconds=sec, lora=dict(rank=cfg.lora.rank, alpha=cfg.lora.alpha),
-            lora_parameters=g["lora_parameters"],
-            lora_b_abs_max=_lora_b_abs_max(workdir / "grpo_lora/pytorch_lora_weights.safetensors"),
-            checkpoints=sorted(p.name for p in (workdir / "grpo_checkpoints").iterdir() if p.name.startswith("epoch-")),
-            judge_requests=ctx.judge.requests,
-            images_per_s=round(n_traj / sec["rollout"], 3) if sec.get("rollout") else None)
-
-        # (e) final sampling with and without the LoRA
-        _release(timer.cuda)  # the GRPO policy
-        fcfg = params.final_samples["t2is"]
-        with timer.stage("final"):
-            table, sheets, metrics = final_samples(fcfg, prompts, dirs["policy_t2is"], workdir / "grpo_lora", ctx,
-                                                   accelerator=accelerator)
-        sizes_seen = sorted({decode_image(c).size for c in table["image"]})
-        h, w = grid_size(1024, 1024, fcfg.resolution)
-        timer.rows["final"].update(
-            samples=len(table), image_sizes=[list(s) for s in sizes_seen], expected_size=[w, h],
-            rewards={k: {"base": v["base_mean"], "lora": v["lora_mean"]} for k, v in metrics["rewards"].items()},
-            consistency=table["reward_consistency"].tolist(),
-            lora_differs=bool(any(
-                decode_image(a).tobytes() != decode_image(b).tobytes() for a, b in zip(
-                    table[table["variant"] == "base"]["image"], table[table["variant"] == "lora"]["image"],
-                    strict=True))),
-            images_per_s=round(len(table) / timer.rows["final"]["seconds"], 3))
+        _serve(run, url, triples, reference, serve_rows, engines)
+        ctx = make_reward_context(run.params, endpoint, run.dirs["clip"])
+        prompts = prompts_table(run.params.grpo["t2is"].prompts_per_epoch, 2)
+        _grpo(run, ctx, prompts)
+        _final(run, ctx, prompts)
     results["checks"] = checks(results)
     return results
 

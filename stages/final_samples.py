@@ -29,17 +29,13 @@ from pathlib import Path  # noqa: E402
 from paco.core.checkpoints import replace_dir  # noqa: E402
 from paco.core.io import ArtifactError, read_parquet, write_parquet  # noqa: E402
 from paco.core.params import Params  # noqa: E402
-from paco.core.stage import StageOutput, log, run  # noqa: E402
-from paco.grpo.judge_endpoint import (  # noqa: E402
-    judge_endpoint,
-    make_accelerator,
-    make_reward_context,
-    subtask_params,
-)
+from paco.core.distributed import make_accelerator  # noqa: E402
+from paco.core.stage import StageOutput, log, run, subtask_params  # noqa: E402
+from paco.grpo.judge_endpoint import judge_endpoint  # noqa: E402
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--subtask", required=True, help="key of params.yaml sample.<subtask>")
+    p.add_argument("--subtask", required=True, help="key of params.yaml final_samples.<subtask>")
     p.add_argument("--items", type=Path, required=True,
                    help="the subtask's items: prompts.parquet (dataset prompts) or edits.parquet (dataset edits)")
     p.add_argument("--policy", type=Path, required=True, help="policy model directory (models stage)")
@@ -54,11 +50,12 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _body(args: argparse.Namespace, params: Params) -> dict:
     import io
 
-    from paco.grpo.rewards import ITEM_COLUMNS, RewardError
+    from paco.grpo.rewards import ITEM_COLUMNS, RewardError, check_reward_names, make_reward_context
     from paco.judge.client import JudgeError
     from paco.grpo.final_samples import final_samples
 
     cfg = subtask_params(params, "final_samples", args.subtask)
+    check_reward_names(cfg.rewards, f"final_samples.{args.subtask}.rewards", source=str(args.params))
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     if not (args.lora / "pytorch_lora_weights.safetensors").is_file():
         raise ArtifactError(f"{args.lora}: no pytorch_lora_weights.safetensors (run grpo@{args.subtask})")

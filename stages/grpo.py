@@ -31,9 +31,10 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from paco.core.io import ArtifactError, read_parquet  # noqa: E402
-from paco.grpo.judge_endpoint import judge_endpoint, make_accelerator, make_reward_context, subtask_params  # noqa: E402
+from paco.core.distributed import make_accelerator  # noqa: E402
+from paco.grpo.judge_endpoint import judge_endpoint  # noqa: E402
 from paco.core.params import Params  # noqa: E402
-from paco.core.stage import StageOutput, log, run  # noqa: E402
+from paco.core.stage import StageOutput, log, run, subtask_params  # noqa: E402
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -51,17 +52,20 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
-    from paco.grpo.rewards import ITEM_COLUMNS, RewardError
+    from paco.grpo.rewards import ITEM_COLUMNS, RewardError, check_reward_names, make_reward_context
     from paco.grpo.trainer import check_splits, train_grpo
     from paco.judge.client import JudgeError
     from paco.core.run_identity import stage_identity_on_main
+    from workflow.registry import member
 
     cfg = subtask_params(params, "grpo", args.subtask)
+    check_reward_names(cfg.rewards, f"grpo.{args.subtask}.rewards", source=str(args.params))
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     prompts = read_parquet(args.items, required=ITEM_COLUMNS[cfg.dataset])
     check_splits(cfg, prompts, f"grpo.{args.subtask}")
     accelerator = make_accelerator()
-    identity = stage_identity_on_main(f"grpo@{args.subtask}", args, params, accelerator)
+    grpo_member = member(f"grpo@{args.subtask}", params.model_dump(mode="json", by_alias=True))
+    identity = stage_identity_on_main(grpo_member, args, params, accelerator)
     try:
         # a local judge server loads while make_reward_context imports and loads CLIP, then waits for it
         with judge_endpoint(params, args.judge, accelerator, args.checkpoints) as endpoint:

@@ -48,7 +48,8 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     from paco.core.run_identity import stage_identity
-    from paco.judge.teacher import make_teacher
+    from workflow.registry import member
+    from paco.judge.teachers import make_teacher
 
     cfg = params.labels
     seed_everything(cfg.seed)
@@ -58,7 +59,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
     # labels.sft_import is continuable (its folder is not in the identity either): the imported
     # sets join after the teacher's chunks, so an import change keeps the labelling progress
-    identity = stage_identity("labels", args.params, params=params, args=args)
+    identity = stage_identity(member("labels"), args.params, params=params, args=args)
     from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
 
     edit_pairs = read_parquet(args.edit_pairs, required=EDIT_PAIR_COLUMNS)

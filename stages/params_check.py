@@ -4,8 +4,10 @@ the effective parameters (every default filled in).
 Each stage validates the whole file when it runs, but ``dvc repro`` runs a stage only when one of
 its declared params sections changes: a misspelled top-level section (``reward_trian:``) would
 otherwise pass unnoticed. This stage depends on the file itself, so any edit reruns it (about a
-second) and an invalid file fails ``dvc repro`` with the offending dotted keys. The same check
-without a stage: ``python -m paco.core.params params.yaml``.
+second) and an invalid file fails ``dvc repro`` with the offending dotted keys. It also checks the
+reward names of every ``grpo.<subtask>`` and ``final_samples.<subtask>``
+(:func:`paco.grpo.rewards.check_reward_names`), which the schema checks for shape only. The same
+check without a stage, reward names aside: ``python -m paco.core.params params.yaml``.
 
 It also checks that ``dvc.yaml`` is the registry's rendering for these params: which inputs a
 stage reads depends on its params (``composites.source``, ``pairs.ranking``,
@@ -31,8 +33,12 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     from paco.core.params import read_params_yaml
+    from paco.grpo.rewards import check_reward_names
     from workflow import registry
 
+    for section in ("grpo", "final_samples"):
+        for subtask, cfg in getattr(params, section).items():
+            check_reward_names(cfg.rewards, f"{section}.{subtask}.rewards", source=str(args.params))
     if args.dvc_yaml is not None and args.dvc_yaml.is_file():
         if args.dvc_yaml.read_text() != registry.dump_dvc(read_params_yaml(args.params) or {}):
             raise ParamsError(f"{args.dvc_yaml} is not the registry's rendering for {args.params} (which inputs a "

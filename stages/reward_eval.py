@@ -49,7 +49,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _body(args: argparse.Namespace, params: Params) -> dict:
     from paco.models.clip import ClipScorer
     from paco.judge.model import Judge
-    from paco.judge.templates import judge_instruction
+    from paco.core.templates import judge_instruction
 
     cfg = params.reward_eval
     seed_everything(cfg.seed)

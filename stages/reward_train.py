@@ -38,6 +38,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     from paco.core.run_identity import stage_identity_on_main
+    from workflow.registry import member
 
     cfg = params.reward_train
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # no per-file lines on every checkpoint
@@ -46,7 +47,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         cfg,
         args.sft,
         args.base,
-        identity=stage_identity_on_main("reward_train", args, params, accelerator),
+        identity=stage_identity_on_main(member("reward_train"), args, params, accelerator),
         adapter_dir=args.adapter,
         checkpoints_dir=args.checkpoints,
         plots_dir=args.plots,

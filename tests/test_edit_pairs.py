@@ -10,7 +10,7 @@ from paco.core.io import decode_image
 from paco.data.edit_pairs import EDIT_PAIR_COLUMNS, PAIR_LABELS, make_edit_pairs
 from paco.data.edits import photo_edits
 from paco.judge.labels import join_edit_pairs
-from paco.judge.templates import get_template
+from paco.core.templates import get_template
 
 
 @pytest.fixture(scope="module")

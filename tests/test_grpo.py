@@ -1,6 +1,7 @@
-"""PaCo-GRPO trainer: the clipped loss and KL by hand, the epoch plan, and short runs of the real
-loop on the tiny FLUX policy (ratio == 1 on the first update, resume == uninterrupted, learning a
-known reward, failures propagate)."""
+"""PaCo-GRPO trainer: short runs of the real loop on the tiny FLUX policy (ratio == 1 on the first
+update, resume == uninterrupted, learning a known reward, failures propagate), and its steps
+called one at a time. The loss, KL and EMA: tests/test_grpo_losses.py; the seeded plan:
+tests/test_grpo_plan.py."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ import torch
 
 from paco.grpo import rewards as R
 from paco.core.checkpoints import list_checkpoints
-from paco.grpo.trainer import (CHECKPOINT_PREFIX, clipped_surrogate, epoch_prompts, gaussian_mean_kl,
-                               minibatches, train_grpo)
+from paco.grpo.checkpointing import CHECKPOINT_PREFIX
+from paco.grpo.trainer import train_grpo
 from paco.judge.client import JudgeError
 from paco.core.params import GrpoSubtaskParams
 from paco.core.run_identity import params_identity
+from workflow.registry import member
 
 
 def _identity(cfg: GrpoSubtaskParams, **sections):
     """The params part of ``grpo@test``'s run identity (the registry's exclusions)."""
-    return params_identity("grpo@test", {"grpo.test": cfg.model_dump(mode="json"), "judge_endpoint": sections.get("judge_endpoint", {}),
-                                         "subfigures": {}})
+    return params_identity(member("grpo@test"), {"grpo.test": cfg.model_dump(mode="json"),
+                                                 "judge_endpoint": sections.get("judge_endpoint", {}), "subfigures": {}})
 
 
 def _train(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir, ctx, **kw) -> dict:
@@ -109,55 +111,14 @@ def _cfg(**over) -> GrpoSubtaskParams:
     return GrpoSubtaskParams.model_validate(cfg)
 
 
-def test_clipped_surrogate_by_hand():
-    ratio = torch.tensor([1.0, 1.5, 0.5, 1.05, 0.97, 0.5, 1.5])
-    logp = torch.log(ratio)
-    adv = torch.tensor([2.0, 1.0, 1.0, -1.0, -2.0, -1.0, -1.0])
-    loss, r = clipped_surrogate(logp, torch.zeros(7), adv, clip_range=0.1)
-    torch.testing.assert_close(r, ratio)
-    # max(-A r, -A clip(r, 0.9, 1.1)) element by element; the last two hit the lower / upper
-    # bound with A < 0 (the clipped branch wins at 0.5, the unclipped one at 1.5)
-    expected = torch.tensor([-2.0, max(-1.5, -1.1), max(-0.5, -0.9), max(1.05, 1.05), max(1.94, 1.94),
-                             max(0.5, 0.9), max(1.5, 1.1)])
-    torch.testing.assert_close(loss, expected)
-
-
-def test_clipped_surrogate_gradient_vanishes_outside_the_trust_region():
-    logp = torch.log(torch.tensor([1.5, 1.0])).requires_grad_(True)
-    loss, _ = clipped_surrogate(logp, torch.zeros(2), torch.tensor([1.0, 1.0]), clip_range=0.1)
-    loss.sum().backward()
-    assert logp.grad[0] == 0  # ratio 1.5 > 1.1 with A > 0: clipped, no gradient
-    assert logp.grad[1] == pytest.approx(-1.0)  # ratio 1: d(-A r)/d logp = -A r
-
-
-def test_gaussian_mean_kl_by_hand():
-    mean = torch.tensor([[[1.0, 2.0]], [[0.0, 0.0]]])
-    ref = torch.tensor([[[0.0, 0.0]], [[0.5, -0.5]]])
-    std = torch.tensor([[[2.0]], [[0.5]]])
-    kl = gaussian_mean_kl(mean, ref, std)
-    torch.testing.assert_close(kl, torch.tensor([(1 + 4) / 2 / (2 * 4), (0.25 + 0.25) / 2 / (2 * 0.25)]))
-
-
-def test_epoch_plan_is_seeded_unique_and_partitions():
-    ids = [f"p{i}" for i in range(10)]
-    a = epoch_prompts(ids, 4, seed=3, epoch=5)
-    assert a == epoch_prompts(list(reversed(ids)), 4, seed=3, epoch=5) and len(set(a)) == 4
-    assert a == epoch_prompts(ids, 4, seed=4, epoch=4)  # seeded by seed + epoch
-    assert a != epoch_prompts(ids, 4, seed=3, epoch=6)
-    with pytest.raises(ValueError, match="only 10"):
-        epoch_prompts(ids, 11, seed=0, epoch=0)
-    parts = minibatches(10, 3, seed=0, epoch=1)
-    assert sorted(np.concatenate(parts).tolist()) == list(range(10)) and [len(p) for p in parts] == [4, 3, 3]
-
-
 @pytest.mark.parametrize("same", [False, True])
 def test_group_initial_noise_is_shared_only_when_asked(tiny_model_dirs, same):
-    from paco.grpo.trainer import sample_group
+    from paco.grpo.rollout import sample_group
     from paco.models.loading import load_flux_pipeline
     from paco.grpo.policies import FluxPolicy
 
     cfg = _cfg(rollout=dict(sde_indices=[0], same_initial_noise=same))
-    prompt = R.PromptInfo.from_row(_prompts().iloc[0].to_dict())
+    prompt = R.SubtaskItem.from_row(_prompts().iloc[0].to_dict())
     policy = FluxPolicy(load_flux_pipeline(tiny_model_dirs["policy_t2is"]), None, max_sequence_length=32)
     trajs, images = sample_group(policy, prompt, policy.condition([prompt], 64, 64), [0, 1, 2], cfg, 0, 64, 64,
                                  base_index=0)
@@ -209,7 +170,7 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_the_policy(red_run, t
         if with_lora:
             pipe.load_lora_weights(str(out / "lora"))
         pol = FluxPolicy(pipe, None, max_sequence_length=32)
-        roll = pol.generate(pol.condition([R.PromptInfo("p", prompt, "", 1, 1, (prompt,))], 64, 64), height=64, width=64, num_steps=4, noise_level=0.0,
+        roll = pol.generate(pol.condition([R.SubtaskItem("p", prompt, "", 1, 1, (prompt,))], 64, 64), height=64, width=64, num_steps=4, noise_level=0.0,
                           sde_indices=[], noise_generators=[torch.Generator().manual_seed(0)])
         images[with_lora] = np.asarray(pol.decode(roll.final_latents, 64, 64)[0], dtype=np.float64)
     assert np.abs(images[True] - images[False]).mean() > 0.5  # the LoRA changes the image
@@ -321,28 +282,6 @@ def test_a_nan_reward_is_an_error(tiny_model_dirs, tmp_path):
                    checkpoints_dir=tmp_path / "ck")
 
 
-def test_ema_follows_the_reference_warmup_and_cadence():
-    """``EMAModuleWrapper.step`` of the released code: d_t = min((1 + t) / (10 + t), decay), an
-    update after step t when (t + 1) % every == 0; computed here independently in float64."""
-    from paco.grpo.trainer import LoraEMA
-
-    w = {"a": torch.nn.Parameter(torch.tensor([1.0, -2.0]))}
-    ema = LoraEMA(w, 0.9, warmup=True, update_every=3)
-    ref = np.array([1.0, -2.0])
-    updated = []
-    for t in range(1, 13):
-        with torch.no_grad():
-            w["a"].add_(0.5)
-        if (t + 1) % 3 == 0:
-            d = min((1 + t) / (10 + t), 0.9)
-            ref = d * ref + (1 - d) * w["a"].detach().double().numpy()
-        updated.append(ema.step(w, t))
-    assert updated == [(t + 1) % 3 == 0 for t in range(1, 13)]
-    np.testing.assert_allclose(ema.shadow["a"].double().numpy(), ref, rtol=1e-6)
-    assert [LoraEMA(w, 0.9, warmup=True).decay_at(t) for t in (0, 1, 80, 1000)] == [0.1, 2 / 11, 0.9, 0.9]
-    assert LoraEMA(w, 0.9).decay_at(1) == 0.9  # no warm-up: the fixed decay
-
-
 def _bytes(path) -> bytes:
     return (path / "pytorch_lora_weights.safetensors").read_bytes()
 
@@ -419,36 +358,32 @@ def test_a_continued_run_keeps_only_the_evaluations_of_its_schedule(tiny_model_d
     assert _bytes(tmp_path / "a") == _bytes(tmp_path / "f") and longer["metrics"] == fresh["metrics"]
 
 
-def test_evaluation_schedule():
-    from paco.grpo.trainer import evaluation_epochs
-
-    assert evaluation_epochs(16, 8) == [0, 8, 16]
-    assert evaluation_epochs(3, 2) == [0, 2, 3]
-    assert evaluation_epochs(4, 100) == [0, 4]
-
-
 def test_the_loop_steps_one_at_a_time(tiny_model_dirs, tmp_path):
     """setup -> rollout -> reward -> advantages -> update, each called alone on one epoch."""
     from paco.grpo import trainer as T
+    from paco.grpo.plan import epoch_prompts
+    from paco.grpo.report import epoch_row
+    from paco.grpo.rollout import rollout
+    from paco.grpo.run import GrpoState
 
     cfg = _cfg(epochs=1)
     run = T.setup(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(), _identity(cfg),
                   checkpoints_dir=tmp_path / "ck", plots_dir=None, accelerator=None)
     assert (len(run.train_ids), len(run.eval_prompts), run.n_traj) == (4, 2, 8)
-    roll = T.rollout(run, 0)
+    roll = rollout(run, 0)
     assert [t.index for t in roll.trajectories] == list(range(8)) and len(roll.images) == 8
-    assert roll.chosen == T.epoch_prompts(run.train_ids, 2, cfg.seed, 0)
+    assert roll.chosen == epoch_prompts(run.train_ids, 2, cfg.seed, 0)
     rewards = T.reward(run, roll)
     assert rewards["test_red_minus_blue"].shape == (8,)
     adv = T.advantages(run, rewards, roll.chosen)
     # weighted_sum with the batch std: zero mean within each group of 4
     np.testing.assert_allclose(adv.advantages.reshape(2, 4).mean(axis=1), 0.0, atol=1e-12)
     before = {n: p.detach().clone() for n, p in run.trained.items()}
-    state = T.GrpoState()
+    state = GrpoState()
     stats = T.update(run, roll, adv.advantages, 0, state)
     assert stats["n"] == 8 and state.first_update_ratio_dev and max(state.first_update_ratio_dev) == 0.0
     assert any(not torch.equal(before[n], p) for n, p in run.trained.items())  # the step moved the LoRA
-    row = T.epoch_row(run, 0, rewards, adv, stats)
+    row = epoch_row(run, 0, rewards, adv, stats)
     assert row["epoch"] == 1 and "seconds" not in row  # plots hold deterministic figures only
 
 
@@ -571,7 +506,7 @@ def test_an_editing_subtask_trains_resumes_and_saves_a_kontext_lora(tiny_model_d
     # the LoRA is Kontext's: the pipeline's own loader takes it and it changes the edit
     pipe = FluxKontextPipeline.from_pretrained(str(policy), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    photo = R.PromptInfo.from_edit_row(edits.iloc[0].to_dict()).reference
+    photo = R.SubtaskItem.from_edit_row(edits.iloc[0].to_dict()).reference
     kw = dict(image=photo, prompt="make it grey", height=64, width=64, num_inference_steps=3, guidance_scale=2.5,
               max_sequence_length=32, output_type="np", _auto_resize=False, max_area=64 * 64)
     before = pipe(generator=torch.Generator().manual_seed(0), **kw).images

@@ -1,4 +1,4 @@
-"""The grpo / sample stage CLIs: a dead judge fails the stage with its URL, a short real run
+"""The grpo / final_samples stage CLIs: a dead judge fails the stage with its URL, a short real run
 through the locally served judge writes every declared output."""
 
 from __future__ import annotations

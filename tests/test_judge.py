@@ -7,7 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
+from paco.core.templates import judge_instruction
 from paco.judge.model import (
+    IGNORE_INDEX,
     AnswerTokens,
     Judge,
     JudgeTokenizerError,
@@ -16,8 +18,7 @@ from paco.judge.model import (
     encode_sft,
     p_yes_from_logits,
 )
-from paco.judge.losses import IGNORE_INDEX
-from paco.judge.templates import format_response, judge_instruction
+from paco.judge.response import format_response
 
 
 def test_p_yes_matches_hand_softmax():

@@ -13,8 +13,9 @@ from PIL import Image
 
 from paco.judge import labels as L
 from paco.core.io import ArtifactError, encode_image, write_parquet
-from paco.judge.teacher import TeacherResult, make_teacher
-from paco.judge.templates import parse_response
+from paco.judge.teachers import make_teacher
+from paco.judge.teachers.base import TeacherResult
+from paco.judge.response import parse_response
 
 
 def tables(n_pairs=10):

@@ -21,7 +21,7 @@ from paco.models.loading import (
     load_clip,
     load_flux_pipeline,
     load_judge,
-    load_judge_processor,
+    load_qwen_vl_processor,
 )
 from paco.models.tiny import build_tiny
 
@@ -135,7 +135,7 @@ def test_judge_round_trip_offline(tiny_model_dirs, tmp_path, offline):
 
 
 def test_yes_and_no_are_single_tokens(tiny_model_dirs, offline):
-    tok = load_judge_processor(tiny_model_dirs["judge_base"]).tokenizer
+    tok = load_qwen_vl_processor(tiny_model_dirs["judge_base"]).tokenizer
     ids = {w: tok.encode(w, add_special_tokens=False) for w in ("Yes", "No", " Yes", " No")}
     assert all(len(v) == 1 for v in ids.values()), ids
     assert len({v[0] for v in ids.values()}) == 4
@@ -146,6 +146,31 @@ def test_yes_and_no_are_single_tokens(tiny_model_dirs, offline):
     assert tok.decode(tok.encode("Yes. <reason>1. The style is the same.</reason>")) == (
         "Yes. <reason>1. The style is the same.</reason>"
     )
+
+
+@pytest.mark.parametrize("name", ["t2is_theme", "criteria_cot", "rank_cot"])
+def test_frozen_corpus_templates_still_cover_the_current_judge_templates(tiny_model_dirs, offline, name):
+    """The tiny tokenizers were trained on frozen copies of two templates (paco.models.corpus), so a
+    reworded judge template does not retrain them. The current T2IS questions must still encode
+    compactly: every word of their literal text one or two tokens and at most a token per 4
+    characters (measured: 0.20-0.22; the untrained edit_pf template needs 0.39, with 7 tokens for
+    "Instruction"), decoding back to the text. A reworded template with new words fails here:
+    update the frozen copies (which rebuilds the tiny models) or keep the wording."""
+    import re
+    import string
+
+    from paco.core.templates import get_template
+
+    tok = load_qwen_vl_processor(tiny_model_dirs["judge_base"]).tokenizer
+    template = get_template(name)
+    literal = "".join(part for part, *_ in string.Formatter().parse(template.text))
+    too_long = {w: n for w in re.findall(r"[A-Za-z]+", literal)
+                if (n := len(tok.encode(" " + w, add_special_tokens=False))) > 2}
+    assert not too_long, too_long
+    filled = template.format(**{f: "a red fox in the snow" for f in template.fields})
+    ids = tok.encode(filled, add_special_tokens=False)
+    assert len(ids) <= len(filled) / 4, (len(ids), len(filled))
+    assert tok.decode(ids) == filled
 
 
 def test_judge_forward_on_two_images(tiny_model_dirs, offline):

@@ -191,7 +191,7 @@ def test_misspelled_top_level_section_is_an_error(tmp_path):
 
 
 def test_cli_ok_and_errors(tmp_path, capsys):
-    from paco.core.params import main
+    from paco.core.params.cli import main
 
     assert main([str(ROOT / "params.yaml")]) == 0
     out, err = capsys.readouterr()
@@ -238,3 +238,60 @@ def test_cli_module_exit_code_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     assert "  models.seed: Input should be a valid integer (got True)" in proc.stderr
     assert "  reward_trian: Extra inputs are not permitted" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# reward names: the schema checks their shape, params_check and the stages the names
+# --------------------------------------------------------------------------------------------
+
+
+def _misspelled_rewards() -> dict:
+    raw = committed()
+    raw["grpo"]["t2is"]["rewards"]["clip_tt"] = raw["grpo"]["t2is"]["rewards"].pop("clip_t")
+    raw["final_samples"]["kontext_editing"]["rewards"] = ["consistency_for_editin"]
+    return raw
+
+
+def test_the_schema_checks_the_rewards_shape_not_their_names():
+    validate_params(_misspelled_rewards())  # names are not the schema's business (it imports no rewards)
+    for path, value in ((("grpo", "t2is", "rewards"), {}), (("final_samples", "t2is", "rewards"), [])):
+        with pytest.raises(ParamsError) as err:
+            validate_params(_set(committed(), path, value), source="params.yaml")
+        assert f"  {'.'.join(path)}: Value error, no rewards: name at least one" in str(err.value)
+
+
+def test_check_reward_names_names_the_dotted_key():
+    from paco.grpo.rewards import REWARDS, check_reward_names
+
+    check_reward_names(["consistency", "clip_t"], "final_samples.t2is.rewards")
+    check_reward_names({"pickscore": 1.0}, "grpo.t2is.rewards")
+    with pytest.raises(ParamsError) as err:
+        check_reward_names({"clip_tt": 1.0, "consistency": 0.2}, "grpo.t2is.rewards", source="p.yaml")
+    assert str(err.value) == ("p.yaml: invalid parameters\n  grpo.t2is.rewards: unknown reward(s) ['clip_tt']; "
+                              f"registered: {sorted(REWARDS)}")
+
+
+def test_params_check_and_the_reward_stages_refuse_unknown_reward_names(tmp_path, caplog, capsys):
+    """``python -m paco.core.params`` passes a misspelled reward (it checks all but the names);
+    the ``params_check`` stage (rerun by ``dvc repro`` on any edit of the file) and the stages
+    that compute the rewards fail at their start, exit code 2, naming the dotted key."""
+    from paco.core.params.cli import main as check_params
+    from stages import final_samples, grpo, params_check
+
+    path = _write(tmp_path, _misspelled_rewards())
+    assert check_params([str(path)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "params_check" / "params.json"
+    assert params_check.main(["--params", str(path), "--out", str(out)]) == 2 and not out.exists()
+    assert "  grpo.t2is.rewards: unknown reward(s) ['clip_tt']" in caplog.text
+    missing = {flag: str(tmp_path / "absent" / flag) for flag in ("items", "policy", "judge", "clip", "lora")}
+    for stage, subtask, extra, key in (
+            (grpo, "t2is", ("checkpoints", "plots", "metrics"), "grpo.t2is.rewards: unknown reward(s) ['clip_tt']"),
+            (final_samples, "kontext_editing", ("out", "sheets", "metrics"),
+             "final_samples.kontext_editing.rewards: unknown reward(s) ['consistency_for_editin']")):
+        caplog.clear()
+        argv = ["--params", str(path), "--subtask", subtask]
+        for flag in (*missing, *extra):
+            argv += [f"--{flag}", missing.get(flag, str(tmp_path / "absent" / flag))]
+        assert stage.main(argv) == 2
+        assert key in caplog.text and "absent" not in caplog.text  # before reading any input

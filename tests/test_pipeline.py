@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from paco.grpo.trainer import epoch_prompts
+from paco.grpo.plan import epoch_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -19,15 +19,15 @@ from paco.grpo.policies import (
     load_policy,
     policy_class,
 )
-from paco.grpo.rewards import PromptInfo
+from paco.grpo.rewards import SubtaskItem
 from paco.models.loading import load_flux_pipeline, load_pipeline
 
 PROMPTS = ["a tabby cat on a cushion", "two red kites over a beach"]
 
 
-def _infos(texts, refs=None) -> list[PromptInfo]:
+def _infos(texts, refs=None) -> list[SubtaskItem]:
     refs = refs or [None] * len(texts)
-    return [PromptInfo(f"p{i}", t, "", 1, 1, (t,), r) for i, (t, r) in enumerate(zip(texts, refs))]
+    return [SubtaskItem(f"p{i}", t, "", 1, 1, (t,), r) for i, (t, r) in enumerate(zip(texts, refs))]
 
 
 def _photo(seed: int, size=(80, 64)) -> Image.Image:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workflow import registry
+from workflow import code_deps, registry
+from workflow.stage import interpolate, model_roles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,11 +47,11 @@ def test_code_deps_are_the_import_closure():
     reruns it, and a module it does not run never does."""
     grpo = set(registry.by_name("grpo").code)
     assert {"stages/grpo.py", "paco/grpo/trainer.py", "paco/grpo/sde.py", "paco/grpo/judge_endpoint.py", "paco/core/run_identity.py",
-            "paco/core/seeding.py", "paco/judge/serve.py", "paco/models/loading.py"} <= grpo
+            "paco/core/seeding.py", "paco/judge/serve/batching.py", "paco/models/loading.py"} <= grpo
     # seeding lives apart from the photo renderer: editing photos does not rerun GRPO
-    assert not {"paco/data/photos.py", "paco/data/composites.py", "paco/judge/teacher.py"} & grpo
-    assert "paco/judge/serve.py" not in registry.by_name("reward_train").code
-    assert "paco/judge/teacher.py" in registry.by_name("labels").code
+    assert not {"paco/data/photos.py", "paco/data/composites.py", "paco/judge/teachers/template.py"} & grpo
+    assert "paco/judge/serve/batching.py" not in registry.by_name("reward_train").code
+    assert "paco/judge/teachers/template.py" in registry.by_name("labels").code
     # lazily exported names: paco.models' _EXPORTS maps load_judge to paco/models/loading.py
     assert "paco/models/loading.py" in registry.by_name("reward_eval").code
     for stage in registry.STAGES:
@@ -68,15 +69,15 @@ def test_code_closure_follows_function_level_and_lazy_imports(tmp_path, monkeypa
     (pkg / "lazy.py").write_text("def f():\n    from paco.sub import thing\n")
     (pkg / "unused.py").write_text("")
     (tmp_path / "stages" / "s.py").write_text("import os\nfrom paco import lazy\n")
-    monkeypatch.setattr(registry, "ROOT", tmp_path)
-    registry.code_closure.cache_clear()
-    registry._lazy_exports.cache_clear()
+    monkeypatch.setattr(code_deps, "ROOT", tmp_path)
+    code_deps.code_closure.cache_clear()
+    code_deps._lazy_exports.cache_clear()
     try:
-        assert registry.code_closure("stages/s.py") == (
+        assert code_deps.code_closure("stages/s.py") == (
             "paco/__init__.py", "paco/lazy.py", "paco/sub/__init__.py", "paco/sub/impl.py", "stages/s.py")
     finally:
-        registry.code_closure.cache_clear()
-        registry._lazy_exports.cache_clear()
+        code_deps.code_closure.cache_clear()
+        code_deps._lazy_exports.cache_clear()
 
 
 def test_foreach_members_take_their_item():
@@ -98,9 +99,9 @@ def test_foreach_members_take_their_item():
 
 
 def test_interpolate_is_strict():
-    assert registry.interpolate("--x ${a.b}", {"a": {"b": 3}}) == "--x 3"
+    assert interpolate("--x ${a.b}", {"a": {"b": 3}}) == "--x 3"
     with pytest.raises(KeyError, match="c"):
-        registry.interpolate("${a.c}", {"a": {"b": 3}})
+        interpolate("${a.c}", {"a": {"b": 3}})
 
 
 def _dvc_edges() -> set[tuple[str, str]]:
@@ -216,7 +217,7 @@ def test_model_roles_come_from_the_params():
     from paco.core.params import ParamsError, validate_params
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    assert registry.model_roles(params) == ("judge_base", "policy_t2is", "clip", "policy_kontext", "policy_qwen_edit")
+    assert model_roles(params) == ("judge_base", "policy_t2is", "clip", "policy_kontext", "policy_qwen_edit")
     params["models"]["policy_other"] = "tiny:flux"
     params["grpo"]["other"] = {**params["grpo"]["t2is"], "policy": "policy_other"}
     models = next(s for s in registry.STAGES if s.name == "models")

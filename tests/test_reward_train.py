@@ -29,7 +29,8 @@ from PIL import Image
 
 from paco.core.io import encode_image
 from paco.core.params import LoraParams, RewardTrainParams
-from paco.judge.templates import format_response, judge_instruction
+from paco.core.templates import judge_instruction
+from paco.judge.response import format_response
 
 
 def train_reward(cfg, sft, base, **kw) -> dict:
@@ -37,8 +38,9 @@ def train_reward(cfg, sft, base, **kw) -> dict:
     identity; returns the report with the headline metrics under ``"metrics_headline"``."""
     from paco.judge.training import train_reward as train
     from paco.core.run_identity import params_identity
+    from workflow.registry import member
 
-    out = train(cfg, sft, base, identity=params_identity("reward_train", {"reward_train": cfg.model_dump(mode="json")}),
+    out = train(cfg, sft, base, identity=params_identity(member("reward_train"), {"reward_train": cfg.model_dump(mode="json")}),
                 **kw)
     return {**out["report"], "metrics_headline": out["metrics"]}
 
@@ -114,7 +116,7 @@ def _adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def test_lora_only_on_language_model(tiny_model_dirs):
     from paco.models.loading import load_judge
-    from paco.judge.training import apply_lora, language_model_prefix, lora_config, parameter_counts
+    from paco.judge.lora import apply_lora, language_model_prefix, lora_config, parameter_counts
 
     model, _ = load_judge(tiny_model_dirs["judge_base"])
     prefix = language_model_prefix(model)
@@ -150,7 +152,7 @@ def test_lora_only_on_language_model(tiny_model_dirs):
 
 
 def test_epoch_plan_shards_union_equals_single_process_batch():
-    from paco.judge.training import epoch_plan, shard
+    from paco.judge.batch_plan import epoch_plan, shard
 
     one = epoch_plan(50, seed=3, epoch=1, batch_size=8, num_processes=1, grad_accum=2)
     two = epoch_plan(50, seed=3, epoch=1, batch_size=4, num_processes=2, grad_accum=2)
@@ -166,8 +168,8 @@ def test_epoch_plan_shards_union_equals_single_process_batch():
 
 @pytest.mark.parametrize("variant", ["paper", "reference"])
 def test_distributed_loss_scaling_matches_global_batch(variant):
+    from paco.judge.batch_plan import distributed_loss_scale
     from paco.judge.losses import first_token_weighted_loss
-    from paco.judge.training import distributed_loss_scale
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(8, 12, 30, generator=g)
@@ -234,7 +236,8 @@ def test_saved_adapter_reloads_with_peft(baseline, tiny_model_dirs, sft_path):
 
     from paco.judge.model import check_answer_tokens
     from paco.models.loading import load_judge
-    from paco.judge.training import evaluate, load_sft_rows, make_accelerator
+    from paco.judge.sft_data import load_sft_rows
+    from paco.judge.training import evaluate, make_accelerator
 
     adapter = baseline["out"] / "adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
@@ -460,7 +463,7 @@ def _pair_images() -> tuple[Image.Image, Image.Image]:
 
 def test_augment_swap_and_flip_are_exact():
     from paco.core.params import PairAugmentParams
-    from paco.judge.training import augment_pair
+    from paco.judge.sft_data import augment_pair
 
     a, b = _pair_images()
     rng = np.random.default_rng(0)
@@ -473,7 +476,7 @@ def test_augment_swap_and_flip_are_exact():
 
 def test_augment_crop_follows_the_documented_draws():
     from paco.core.params import PairAugmentParams
-    from paco.judge.training import augment_pair
+    from paco.judge.sft_data import augment_pair
 
     a, b = _pair_images()
     aug = PairAugmentParams(enabled=True, swap=0.0, hflip=0.0, crop_scale=(0.25, 0.5))
@@ -491,7 +494,7 @@ def test_augment_crop_follows_the_documented_draws():
 
 def test_row_images_is_deterministic_per_row_and_epoch_and_off_by_default():
     from paco.core.params import PairAugmentParams
-    from paco.judge.training import SftRow, row_images
+    from paco.judge.sft_data import SftRow, row_images
 
     a, b = _pair_images()
     row = SftRow("p0", encode_image(a)["bytes"], encode_image(b)["bytes"], "q", "Yes.", True)

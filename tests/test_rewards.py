@@ -9,8 +9,8 @@ from PIL import Image
 from paco.core.io import ImageDecodeError
 from paco.grpo import rewards as R
 from paco.models.clip import ClipScorer
-from paco.grpo.rewards import REWARDS, PromptInfo, RewardContext, RewardError, compute_rewards
-from paco.judge.templates import judge_instruction
+from paco.grpo.rewards import REWARDS, RewardContext, RewardError, SubtaskItem, compute_rewards
+from paco.core.templates import judge_instruction
 
 
 class RecordingJudge:
@@ -32,9 +32,9 @@ def _grid(colours: list[tuple[int, int, int]], rows: int, cols: int, cell: int =
     return im
 
 
-def _prompt(pid: str, rows: int, cols: int) -> PromptInfo:
+def _prompt(pid: str, rows: int, cols: int) -> SubtaskItem:
     n = rows * cols
-    return PromptInfo(pid, f"grid {pid}", f"the theme of {pid}", rows, cols, tuple(f"panel {k}" for k in range(n)))
+    return SubtaskItem(pid, f"grid {pid}", f"the theme of {pid}", rows, cols, tuple(f"panel {k}" for k in range(n)))
 
 
 def test_consistency_scores_every_panel_pair_in_order_and_averages():
@@ -89,6 +89,7 @@ def test_reward_errors_are_raised_not_defaulted():
     with pytest.raises(RewardError, match="consistency.*nan.*prompt a"):
         compute_rewards(["consistency"], [grid], [_prompt("a", 2, 2)], RewardContext(judge=NanJudge()))
     assert {"consistency", "clip_t", "pickscore"} <= set(REWARDS)
+    assert REWARDS["pickscore"] is R.pickscore_stand_in  # the CLIP stand-in keeps PickScore's reward name
 
 
 def test_editing_reward_from_hand_made_logprobs_through_the_official_client():
@@ -124,7 +125,7 @@ def test_editing_reward_from_hand_made_logprobs_through_the_official_client():
 
     with FakeOpenAIServer(reply) as srv:
         client = JudgeClient(srv.base_url, "judge", retries=0)
-        prompt = PromptInfo("e1", "make the car blue", "", 1, 1, (), reference=original)
+        prompt = SubtaskItem("e1", "make the car blue", "", 1, 1, (), reference=original)
         got = compute_rewards(["consistency_for_editing"], [edited], [prompt], RewardContext(judge=client))
 
     def p_yes(lp):
@@ -137,7 +138,7 @@ def test_editing_reward_from_hand_made_logprobs_through_the_official_client():
 
 
 def test_editing_reward_needs_the_input_image():
-    prompt = PromptInfo("e1", "make it blue", "", 1, 1, ())
+    prompt = SubtaskItem("e1", "make it blue", "", 1, 1, ())
     with pytest.raises(RewardError, match="no reference"):
         compute_rewards(["consistency_for_editing"], [Image.new("RGB", (8, 8))], [prompt],
                         RewardContext(judge=RecordingJudge()))

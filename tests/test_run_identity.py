@@ -43,8 +43,13 @@ def workspace(tmp_path):
     return tmp_path
 
 
+def _member(ws: Path):
+    """``grpo@t2is`` as the registry gives it for the workspace's params."""
+    return registry.member("grpo@t2is", yaml.safe_load((ws / "params.yaml").read_text()))
+
+
 def _identity(ws: Path) -> RunIdentity:
-    return stage_identity("grpo@t2is", ws / "params.yaml", root=ws)
+    return stage_identity(_member(ws), ws / "params.yaml", root=ws)
 
 
 def _edit(ws: Path, **paths) -> None:
@@ -78,7 +83,7 @@ def test_every_dependency_class_changes_its_part(workspace):
         dep = "/".join(rel.split("/")[:3]) if "models" in rel or "model/" in rel else rel
         assert _identity(ws).changed(base.parts) == [f"dep:{dep}"], rel
         (ws / rel).write_bytes(old)
-    for code in ("paco/judge/losses.py", "paco/judge/serve.py", "paco/grpo/trainer.py"):
+    for code in ("paco/judge/model.py", "paco/judge/serve/batching.py", "paco/grpo/trainer.py"):
         old = (ws / code).read_bytes()
         (ws / code).write_bytes(old + b"\n# edited\n")
         assert _identity(ws).changed(base.parts) == [f"code:{code}"], code
@@ -115,7 +120,7 @@ def test_deps_are_hashed_where_the_command_line_points(workspace, tmp_path_facto
         items = str(other)  # --items: the subtask dataset's table
 
     base = _identity(ws)
-    moved = stage_identity("grpo@t2is", ws / "params.yaml", root=ws, args=Args())
+    moved = stage_identity(_member(ws), ws / "params.yaml", root=ws, args=Args())
     assert moved.changed(base.parts) == ["dep:data/prompts/prompts.parquet"]
 
 
@@ -167,7 +172,29 @@ def test_launch_parts_name_the_settings_cpu_kernels_round_by(monkeypatch):
 
 def test_params_identity_needs_every_declared_section():
     with pytest.raises(KeyError, match="judge_endpoint"):
-        params_identity("grpo@x", {"grpo.x": {}, "subfigures": {}})
+        params_identity(registry.member("grpo@x"), {"grpo.x": {}, "subfigures": {}})
+
+
+def test_registry_members_for_the_identity():
+    """The registry gives the member (the run identity imports nothing of ``workflow``): a foreach
+    member without its section in the config gets a one-member config, enough for its params
+    keys; a dep read only under a continuable key (labels' imported SFT folder) is no identity
+    dep."""
+    m = registry.member("grpo@test")
+    assert (m.dvc_name, m.key, m.resolve("grpo.${key}.epochs", {})) == ("grpo@test", "test", "grpo.test.epochs")
+    with pytest.raises(KeyError, match="no stage"):
+        registry.member("nonsense")
+    with pytest.raises(KeyError, match="not a member"):
+        registry.member("grpo@absent", {"grpo": {"t2is": {}}})
+    from paco.core.params import validate_params
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["labels"]["sft_import"]["enabled"] = True
+    tree = validate_params(raw).model_dump(mode="json", by_alias=True)
+    labels = registry.member("labels", tree)
+    folder = tree["labels"]["sft_import"]["dataset_dir"]
+    assert folder in labels.deps(tree) and folder not in labels.identity_deps(tree)
+    assert labels.identity_deps(tree) == [d for d in labels.deps(tree) if d != folder]
 
 
 def _write_checkpoint(d: Path, name: str, identity: RunIdentity, **extra) -> Path:

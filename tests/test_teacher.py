@@ -1,4 +1,4 @@
-"""paco.judge.teacher: the template teacher, the OpenAI-compatible backend (against a fake server on
+"""paco.judge.teachers: the template teacher, the OpenAI-compatible backend (against a fake server on
 127.0.0.1), the local transformers backend (tiny Qwen2.5-VL), fast mode and the factory."""
 
 from __future__ import annotations
@@ -17,17 +17,14 @@ from PIL import Image, ImageFilter, ImageOps
 from fake_openai import FakeOpenAIServer
 
 from paco.core.params import TeacherParams
-from paco.judge.teacher import (
-    LocalTeacher,
-    OpenAITeacher,
-    PairItem,
-    TeacherConfigError,
-    TemplateTeacher,
-    make_teacher,
-    measure_pair,
-    template_reasons,
-)
-from paco.judge.templates import format_response, judge_instruction, parse_response
+from paco.judge.teachers import make_teacher
+from paco.judge.teachers.base import PairItem, TeacherConfigError
+from paco.judge.teachers.image_features import measure_pair
+from paco.judge.teachers.local import LocalTeacher
+from paco.judge.teachers.openai_api import OpenAITeacher
+from paco.judge.teachers.template import TemplateTeacher, template_reasons
+from paco.core.templates import judge_instruction
+from paco.judge.response import format_response, parse_response
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +135,15 @@ def test_template_measures_in_unit_interval_and_symmetric_keys(photos):
     assert all(abs(v - 1.0) < 1e-6 for v in same.values())
 
 
+
+def test_template_reasons_cite_the_measured_similarities(photos):
+    """The phrasing engine (template) reports the similarities image_features measures."""
+    m = measure_pair(photos["chelsea"], photos["rocket"])
+    for label in (True, False):
+        for r in template_reasons(photos["chelsea"], photos["rocket"], label, max_reasons=10):
+            assert r.similarity == round(min(max(m[r.measure], 0.0), 1.0), 6)
+            assert r.support == pytest.approx(r.similarity if label else 1.0 - r.similarity, abs=2e-6)
+
 def test_template_teacher_max_reasons_and_speed():
     items = [PairItem(f"p{i}", _noise(i, 128), _noise(i + 100, 128), bool(i % 2)) for i in range(20)]
     t = TemplateTeacher(max_reasons=1)
@@ -181,7 +187,7 @@ def test_explain_checks_items():
 def test_make_teacher_defaults_and_errors(monkeypatch):
     t = make_teacher(None)
     assert isinstance(t, TemplateTeacher) and t.max_reasons == 3 and not t.fast
-    # one schema: the defaults are TeacherParams' (no second defaults table in paco.judge.teacher)
+    # one schema: the defaults are TeacherParams' (no second defaults table in paco.judge.teachers)
     assert t.max_reasons == TeacherParams().max_reasons and t.size == TeacherParams().template.size
     with pytest.raises(TeacherConfigError, match=r"teacher\.bogus"):
         make_teacher({"bogus": 1})

@@ -1,32 +1,16 @@
-"""paco.judge.templates: reference template strings, formatting errors, chat layout, response format."""
+"""paco.core.templates: reference template strings, formatting errors, the judge and teacher instructions."""
 
 from __future__ import annotations
 
-import base64
-import io
-
-import numpy as np
 import pytest
-from PIL import Image
 
-from paco.judge import templates as T
-from paco.judge.templates import (
-    TEMPLATES,
-    Template,
-    build_messages,
-    build_openai_messages,
-    format_response,
-    is_canonical,
-    judge_instruction,
-    parse_response,
-    png_bytes,
-    sanitize_reason,
-    teacher_instruction,
-)
+from paco.core import templates as T
+from paco.core.templates import TEMPLATES, Template, judge_instruction, teacher_instruction
+from paco.judge.response import NO, YES, parse_response
 
 # ---------------------------------------------------------------------------------------------
 # The reference strings, copied from X-GenGroup/PaCo-RL (commit cd3c428). They are written out
-# here independently of paco/judge/templates.py so that an edit there cannot silently change them.
+# here independently of paco/core/templates.py so that an edit there cannot silently change them.
 # ---------------------------------------------------------------------------------------------
 
 # PaCo-GRPO/paco_grpo/rewards/consistency_scorer.py, prompt_template_version == 1 (f-string with
@@ -179,114 +163,23 @@ def test_judge_and_teacher_instruction():
         teacher_instruction(q, True, 0)
 
 
-def _img(seed: int, size=(24, 16)) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+def test_teacher_instruction_asks_for_the_answer_words_of_the_response_format():
+    q = judge_instruction("a fox")
+    for label, word in ((True, YES), (False, NO)):
+        text = teacher_instruction(q, label, 2)
+        assert f'The correct answer to this question is "{word}"' in text
+        # the example response the teacher is shown reads as that answer
+        example = text.rsplit("exactly like this: ", 1)[1]
+        assert parse_response(example) == (label, ["First reason.", "Second reason."])
 
 
-def test_build_messages_layout():
-    a, b = _img(0), _img(1)
-    msgs = build_messages(a, b, "Question?")
-    assert msgs == [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image", "image": a},
-                {"type": "image", "image": b},
-                {"type": "text", "text": "Question?"},
-            ],
-        }
-    ]
-    assert msgs[0]["content"][0]["image"] is a and msgs[0]["content"][1]["image"] is b
-    assert build_messages(a, b, "Q") is not build_messages(a, b, "Q")
-    with pytest.raises(ValueError):
-        build_messages(a, None, "Q")
-    with pytest.raises(ValueError):
-        build_messages(a, b, "")
+def test_the_templates_module_is_a_leaf():
+    """paco.core.templates imports nothing from paco, so the data stages can use it and rewording a
+    template reruns only the stages that ask the judge (their code dependencies)."""
+    import ast
+    from pathlib import Path
 
-
-def test_build_openai_messages_layout():
-    a, b = _img(0), _img(1)
-    pa, pb = png_bytes(a), png_bytes(b)
-    msgs = build_openai_messages(pa, pb, "Question?")
-    assert len(msgs) == 1 and msgs[0]["role"] == "user"
-    content = msgs[0]["content"]
-    assert [c["type"] for c in content] == ["image_url", "image_url", "text"]
-    assert content[2]["text"] == "Question?"
-    for c, raw, img in zip(content[:2], (pa, pb), (a, b)):
-        url = c["image_url"]["url"]
-        assert url.startswith("data:image/png;base64,")
-        data = base64.b64decode(url.split(",", 1)[1])
-        assert data == raw
-        assert np.array_equal(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")), np.asarray(img))
-    buf = io.BytesIO()
-    a.save(buf, format="JPEG")
-    assert T.image_data_url(buf.getvalue()).startswith("data:image/jpeg;base64,")
-    with pytest.raises(ValueError):
-        build_openai_messages(b"not an image", pb, "Q")
-    with pytest.raises(TypeError):
-        build_openai_messages(a, pb, "Q")
-
-
-def test_format_response():
-    assert format_response(True, None) == "Yes."
-    assert format_response(False, None) == "No."
-    assert format_response(True, ["Same fox.", "Same palette"]) == (
-        "Yes. <reason>1. Same fox. 2. Same palette.</reason>"
-    )
-    assert format_response(np.bool_(False), ["Different  \n subject."]) == "No. <reason>1. Different subject.</reason>"
-    with pytest.raises(ValueError):
-        format_response(True, [])
-    with pytest.raises(ValueError):
-        format_response(True, ["  "])
-    with pytest.raises(TypeError):
-        format_response(1, None)
-    with pytest.raises(TypeError):
-        format_response("Yes", ["x"])
-
-
-@pytest.mark.parametrize(
-    "label,reasons",
-    [
-        (True, None),
-        (False, None),
-        (True, ["The fox has the same fur and face."]),
-        (False, ["Style: palettes differ (overlap 0.12).", "Identity: SSIM 0.05, L* 48 vs 16.", "Logic: 3 vs 4 panels?"]),
-        (True, ["Numbers like 0.82 and 1.0 and 2x2 stay intact!"]),
-    ],
-)
-def test_round_trip(label, reasons):
-    text = format_response(label, reasons)
-    got_label, got_reasons = parse_response(text)
-    assert got_label is label
-    assert got_reasons == (reasons or [])
-    assert is_canonical(text)
-
-
-def test_parse_rejects_wrong_start():
-    for bad in ["yes. <reason>1. a.</reason>", "The answer is Yes.", "Yesterday it was fine.",
-                "Not consistent.", "", "   ", "<reason>1. a</reason> Yes", "YES.", "- Yes"]:
-        assert parse_response(bad) == (None, []), bad
-    assert parse_response(None) == (None, [])
-
-
-def test_parse_lenient_bodies():
-    assert parse_response("  Yes") == (True, [])
-    assert parse_response("No") == (False, [])
-    assert parse_response("Yes, they match in style.") == (True, ["they match in style."])
-    assert parse_response("No.\n1. The face differs.\n2. The palette differs\n") == (
-        False, ["The face differs.", "The palette differs."])
-    assert parse_response("Yes. <reason>1. a 2. b") == (True, ["a.", "b."])  # unclosed tag
-    assert parse_response("Yes. <reason>\n1. a.\n2. b.\n</reason> trailing") == (True, ["a.", "b."])
-    # markers must count up from 1: a stray "3. " inside reason 1 is not a split point
-    label, reasons = parse_response("No. <reason>1. It has 3. parts 2. b.</reason>")
-    assert label is False and reasons == ["It has 3 parts.", "b."]
-    assert not is_canonical("Yes.\n<reason>1. a.</reason>")
-    assert not is_canonical("yes.")
-
-
-def test_sanitize_reason():
-    assert sanitize_reason("  2. the <reason>palette</reason> differs ") == "the palette differs."
-    assert sanitize_reason("it has 3. parts!") == "it has 3 parts!"
-    assert sanitize_reason("- bullet") == "bullet."
-    assert sanitize_reason("</reason>") == ""
-    assert sanitize_reason("SSIM 0.82") == "SSIM 0.82."
+    tree = ast.parse(Path(T.__file__).read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert imported and not [m for m in imported if m.split(".")[0] == "paco"], imported

@@ -38,7 +38,7 @@ def _judge_dir(tiny_model_dirs) -> Path:
 def _pairs(n: int, seed: int = 0):
     from PIL import Image
 
-    from paco.judge.templates import judge_instruction
+    from paco.core.templates import judge_instruction
 
     rng = np.random.default_rng(seed)
     base = [rng.integers(0, 255, (96, 96, 3), dtype=np.uint8) for _ in range(n)]

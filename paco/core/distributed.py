@@ -7,6 +7,11 @@ A stage with work to shard (``labels``, ``reward_eval``; ``reward_train``, ``grp
 processes there are), persists them, and the main process assembles the output in unit order
 after a barrier. With one process (``python -m stages.<name>``, or ``--num_processes 1``) nothing
 is initialised.
+
+The training stages' helpers take an ``accelerate.Accelerator`` (or ``None``: one process) and
+are the identity for one process: :func:`make_accelerator`, :func:`gather_objects`,
+:func:`wait_for_everyone`, :func:`sum_gradients`, and this process's RNG states
+(:func:`get_rng_state`, :func:`set_rng_state`) for resumable checkpoints.
 """
 
 from __future__ import annotations
@@ -136,3 +141,77 @@ def shard_batches(fn: Callable[[Sequence[T]], list[R]], procs: Processes, batch_
         return [r for n in range(len(starts)) for r in by_batch[n]]
 
     return sharded
+
+
+# --------------------------------------------------------------------------------------------
+# accelerator helpers of the training stages (identity for one process)
+# --------------------------------------------------------------------------------------------
+
+
+def make_accelerator(*, mixed_precision: str | None = None, gradient_accumulation_steps: int = 1) -> Any:
+    """The ``accelerate.Accelerator`` of a training stage: on the CPU (gloo between several
+    processes) when no CUDA device is visible, else this process's GPU.
+
+    Args:
+        mixed_precision: ``no``, ``bf16``, ...; ``None`` (``Accelerator``'s default): the launch's
+            (``accelerate launch`` config, ``ACCELERATE_MIXED_PRECISION``), else ``no``.
+        gradient_accumulation_steps: micro-batches per optimizer step (``Accelerator.accumulate``).
+    """
+    import torch
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
+                       gradient_accumulation_steps=gradient_accumulation_steps)
+
+
+def gather_objects(accelerator: Any, objs: list) -> list:
+    """Every process's ``objs`` (a list of picklable objects) concatenated in rank order, on every
+    process (``accelerate.utils.gather_object``); ``objs`` itself for one process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return objs
+    from accelerate.utils import gather_object
+
+    return gather_object(objs)
+
+
+def wait_for_everyone(accelerator: Any) -> None:
+    """A barrier over the accelerator's processes (no-op without an accelerator)."""
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+
+
+def sum_gradients(accelerator: Any, params: Sequence[Any]) -> None:
+    """Replace each parameter's ``.grad`` by its sum over processes (``torch.distributed.all_reduce``,
+    ``SUM``; a missing gradient counts as zeros); nothing for one process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def get_rng_state() -> dict[str, Any]:
+    """This process's global RNG states: ``{"torch": CPU generator state, "numpy": legacy
+    ``np.random`` state, "python": ``random`` state}`` (for :func:`set_rng_state`)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the global RNG states saved by :func:`get_rng_state`."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

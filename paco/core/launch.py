@@ -3,7 +3,7 @@
 Every stage that shards its work over processes has this command (``workflow/registry.py``).
 The launcher
 
-1. validates the stage's ``--params`` file (:func:`paco.core.params.main`): an invalid file is
+1. validates the stage's ``--params`` file (:func:`paco.core.params.cli.main`): an invalid file is
    one clear message and exit code 2 before any process starts, not a message under
    torch-elastic's traceback from every process;
 2. with ``N > 1``, or with an accelerate config that asks more of its launcher than one plain
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
 
-    from paco.core.params import main as check_params
+    from paco.core.params.cli import main as check_params
 
     code = check_params([params_path(stage_args)])
     if code != 0:

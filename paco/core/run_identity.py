@@ -1,5 +1,6 @@
 """Run identity: what a stage's persisted state (checkpoints, resumable progress) must match to be
-reused, computed from what the stage declares in the registry (``workflow/registry.py``).
+reused, computed from what the stage declares in the registry (``workflow/registry.py``; the
+caller looks its member up there and passes it in: :class:`StageMember`).
 
 A cached stage is a promise: what ``dvc repro`` (or Snakemake) leaves after any change equals what
 a fresh run computes with the same inputs. Outputs are rewritten by every run, but a stage with
@@ -38,7 +39,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 ABSENT = "absent"
 
@@ -182,36 +183,45 @@ def launch_parts(num_processes: int, device_type: str) -> dict[str, Any]:
     return parts
 
 
-def _member(name: str, raw: Mapping[str, Any]) -> Any:
-    from workflow import registry
+class StageMember(Protocol):
+    """What the run identity reads of a stage member of the registry (``workflow.stage.Member``,
+    looked up by the caller, e.g. ``workflow.registry.member("grpo@t2is", config)``).
 
-    stage = registry.by_name(name)
-    if stage.foreach is not None and "@" in name and stage.foreach not in raw:
-        # a member named without a params file at hand: a one-member config is enough here
-        raw = {**raw, stage.foreach: {name.split("@", 1)[1]: {}}}
-    found = [m for m in stage.members(raw) if m.dvc_name == name]
-    if not found:
-        raise KeyError(f"{name!r} is not a member of stage {stage.name!r}")
-    return found[0]
+    Attributes:
+        dvc_name: the member's name (``grpo@t2is``, ``reward_train``).
+        stage: its stage's declarations: ``params``, ``continuable``, ``evaluation`` and
+            ``launch`` (dotted params keys, possibly with ``${key}``), ``args`` (``(flag,
+            value)`` pairs of its command line) and ``code`` (source files).
+    """
+
+    dvc_name: str
+    stage: Any
+
+    def resolve(self, text: str, config: Mapping[str, Any]) -> str:
+        """``text`` with the member's ``${key}`` / ``${item.<path>}`` and the params values of
+        ``config`` substituted."""
+
+    def identity_deps(self, config: Mapping[str, Any]) -> list[str]:
+        """The data dependencies read under ``config`` (resolved), except those read only under a
+        ``continuable`` key."""
 
 
-def params_identity(member: str, sections: Mapping[str, Any]) -> RunIdentity:
+def params_identity(member: StageMember, sections: Mapping[str, Any]) -> RunIdentity:
     """The params part of ``member``'s identity: ``params:<key>`` for each declared section key
     in ``sections`` (dotted key -> its validated value as JSON-able data), without the stage's
     continuable, evaluation and launch keys; the evaluation keys' own digests.
 
     Raises:
-        KeyError: ``member`` is not in the registry, or a declared section is missing from
-            ``sections``.
+        KeyError: a declared section is missing from ``sections``.
     """
-    m = _member(member, {})
+    m = member
     stage = m.stage
     excluded = [m.resolve(k, {}) for k in stage.continuable + stage.evaluation + stage.launch]
     parts: dict[str, str] = {}
     for section in stage.params:
         key = m.resolve(section, {})
         if key not in sections:
-            raise KeyError(f"{member}: params section {key!r} not given")
+            raise KeyError(f"{m.dvc_name}: params section {key!r} not given")
         rel = [e[len(key) + 1:] for e in excluded if e.startswith(key + ".")]
         parts[f"params:{key}"] = _sha256_json(without_keys(sections[key], rel))
     evaluation = {}
@@ -219,16 +229,16 @@ def params_identity(member: str, sections: Mapping[str, Any]) -> RunIdentity:
         key = m.resolve(k, {})
         section = next(s for s in sections if key.startswith(s + "."))
         evaluation[key] = _sha256_json(_get(sections[section], key[len(section) + 1:]))
-    return RunIdentity(member, parts, evaluation)
+    return RunIdentity(m.dvc_name, parts, evaluation)
 
 
-def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: str | os.PathLike[str] = ".",
+def stage_identity(member: StageMember, params_path: str | os.PathLike[str], *, root: str | os.PathLike[str] = ".",
                    params: Any = None, args: Any = None) -> RunIdentity:
-    """The run identity of registry member ``member`` (``reward_train``, ``grpo@t2is``): the
-    digests of its declared deps and code files and :func:`params_identity`.
+    """The run identity of a registry member (``reward_train``, ``grpo@t2is``): the digests of
+    its declared deps and code files and :func:`params_identity`.
 
     Args:
-        member: a stage name or foreach member name.
+        member: the stage member (:class:`StageMember`), as the registry gives it.
         params_path: the params file the stage runs with (``params.yaml``).
         root: the directory the registry's relative paths are resolved against.
         params: the already validated :class:`paco.core.params.Params` of ``params_path`` (loaded
@@ -238,17 +248,13 @@ def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: st
             hand on other paths hashes what it reads.
 
     Raises:
-        KeyError: ``member`` is not in the registry.
         paco.core.params.ParamsError: the params file is invalid.
         OSError: a dependency cannot be read.
     """
-    import yaml
-
     from paco.core.params import load_params
 
     params = params if params is not None else load_params(params_path)
-    raw = yaml.safe_load(Path(params_path).read_text()) or {}
-    m = _member(member, raw)
+    m = member
     tree = params.model_dump(mode="json", by_alias=True)
     root = Path(root)
     # paths resolve against the validated params, so a key left to its default resolves too
@@ -257,23 +263,17 @@ def stage_identity(member: str, params_path: str | os.PathLike[str], *, root: st
         attr = flag.lstrip("-").replace("-", "_")
         if args is not None and getattr(args, attr, None) is not None:
             actual[m.resolve(value, tree)] = Path(getattr(args, attr))
-    from workflow.registry import Dep
-
-    continuable = [m.resolve(k, {}) for k in m.stage.continuable]
-    gated = {m.resolve(d.path, tree) for d in m.stage.deps
-             if isinstance(d, Dep) and any(d.key == c or d.key.startswith(c + ".") for c in continuable)}
     parts: dict[str, str] = {}
-    for path in m.deps(tree):
-        if path not in gated:
-            parts[f"dep:{path}"] = path_digest(actual.get(path, root / path))
+    for path in m.identity_deps(tree):
+        parts[f"dep:{path}"] = path_digest(actual.get(path, root / path))
     for code in m.stage.code:
         parts[f"code:{code}"] = path_digest(root / code)
     sections = {m.resolve(k, {}): _get(tree, m.resolve(k, {})) for k in m.stage.params}
-    from_params = params_identity(member, sections)
-    return RunIdentity(member, {**parts, **from_params.parts}, from_params.evaluation)
+    from_params = params_identity(m, sections)
+    return RunIdentity(m.dvc_name, {**parts, **from_params.parts}, from_params.evaluation)
 
 
-def stage_identity_on_main(member: str, args: Any, params: Any, accelerator: Any) -> RunIdentity:
+def stage_identity_on_main(member: StageMember, args: Any, params: Any, accelerator: Any) -> RunIdentity:
     """:func:`stage_identity` computed by the main process only (hashing model directories once,
     not once per process) and broadcast to the others (``accelerate``)."""
     from paco.core.stage import broadcast_from_main

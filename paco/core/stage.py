@@ -43,6 +43,18 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def subtask_params(params: Params, section: str, subtask: str) -> Any:
+    """``params.<section>[subtask]``: a per-subtask stage's params (``grpo``, ``final_samples``).
+
+    Raises:
+        ParamsError: no such subtask (the message names the known ones).
+    """
+    table = getattr(params, section)
+    if subtask not in table:
+        raise ParamsError(f"params.yaml: {section}.{subtask} does not exist (subtasks: {sorted(table)})")
+    return table[subtask]
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (if imported) global RNGs."""
     random.seed(seed)

@@ -19,7 +19,7 @@ Candidates come from the item's own split (a training pair never shows a held-ou
 
 ``pf`` pairs carry the prompt-following question (template ``edit_pf``), ``sc`` pairs the
 semantic-consistency question (``edit_sc``), both with the item's instruction
-(:mod:`paco.judge.templates`). ``--`` pairs are not made: a wrong operation keeps the subject's
+(:mod:`paco.core.templates`). ``--`` pairs are not made: a wrong operation keeps the subject's
 identity but not its style (ambiguous), and an unchanged image is trivially consistent: as a
 Yes it teaches the small judge that identical means Yes, which the prompt-following question
 then contradicts (measured: held-out PF accuracy 0.32 with it, below chance). ``sc`` pairs are not made for
@@ -42,7 +42,7 @@ from PIL import ImageOps
 
 from paco.core.io import decode_image, encode_image
 from paco.core.seeding import stable_seed
-from paco.judge.templates import get_template
+from paco.core.templates import get_template
 
 #: Columns of ``edit_pairs.parquet``.
 EDIT_PAIR_COLUMNS = ["pair_id", "item_id", "split", "task_type", "question", "candidate", "instruction", "edit",

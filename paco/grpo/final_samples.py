@@ -30,7 +30,7 @@ from paco.core.statistics import paired_t_p
 from paco.core.io import encode_image
 from paco.core.params import FinalSamplesParams
 from paco.grpo.policies import Policy, grid_size, load_policy
-from paco.grpo.rewards import OverlappedRewards, PromptInfo, RewardContext, compute_rewards, subtask_items
+from paco.grpo.rewards import OverlappedRewards, RewardContext, SubtaskItem, compute_rewards, subtask_items
 from paco.data.subfigures import crop_panels
 
 log = logging.getLogger("paco.grpo.final_samples")
@@ -39,7 +39,7 @@ VARIANTS = ("base", "lora")
 SAMPLE_COLUMNS = ["sample_id", "prompt_id", "seed", "variant", "height", "width", "image", "panels", "bboxes"]
 
 
-def _generate(policy: Policy, jobs: Sequence[tuple[PromptInfo, int, tuple[int, int]]], cfg: FinalSamplesParams
+def _generate(policy: Policy, jobs: Sequence[tuple[SubtaskItem, int, tuple[int, int]]], cfg: FinalSamplesParams
               ) -> list[Image.Image]:
     """ODE samples for ``(prompt, seed, (h, w))`` jobs, batched by prompt and size."""
     out: list[Image.Image | None] = [None] * len(jobs)

@@ -1,25 +1,15 @@
 """How PaCo-GRPO and final sampling reach the PaCo-Reward judge (the ``judge_endpoint:`` params section):
 the served judge's URL for a stage's lifetime (``judge_endpoint.url``, or a local ``python -m paco.judge.serve``
-of the merged judge), the reward context (judge client, CLIP scorer, instruction, grid cutting),
-the accelerator and the subtask's params.
+of the merged judge). The reward context built on it is :func:`paco.grpo.rewards.make_reward_context`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 from paco.core.io import ArtifactError
-from paco.core.params import Params, ParamsError
-
-
-def subtask_params(params: Params, section: str, subtask: str):
-    """``params.<section>[subtask]``; a missing subtask is a params error naming the known ones."""
-    table = getattr(params, section)
-    if subtask not in table:
-        raise ParamsError(f"params.yaml: {section}.{subtask} does not exist (subtasks: {sorted(table)})")
-    return table[subtask]
+from paco.core.params import Params
 
 
 class JudgeEndpoint:
@@ -98,36 +88,3 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
         if server is not None:
             server.__exit__(None, None, None)
 
-
-def make_reward_context(params: Params, endpoint: JudgeEndpoint, clip_dir: Path):
-    """The judge client and CLIP scorer the rewards use (CLIP is loaded before waiting for the
-    endpoint, so it loads while a local judge server starts).
-
-    Raises:
-        paco.judge.client.JudgeError: the judge is unreachable or serves another model.
-        ParamsError: ``judge_endpoint.api_key_env`` names an unset variable.
-    """
-    from paco.models.clip import ClipScorer
-    from paco.judge.client import JudgeClient
-    from paco.grpo.rewards import RewardContext
-
-    cfg = params.judge_endpoint
-    api_key = None
-    if cfg.api_key_env:
-        api_key = os.environ.get(cfg.api_key_env)
-        if not api_key:
-            raise ParamsError(f"judge.api_key_env names {cfg.api_key_env!r}, which is not set")
-    clip = ClipScorer(clip_dir)
-    client = JudgeClient(endpoint.url(), cfg.served_model_name, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
-                         retries=cfg.retries,
-                         top_logprobs=cfg.top_logprobs, answer_variants=cfg.answer_variants, api_key=api_key)
-    client.check_model()
-    return RewardContext(judge=client, clip=clip, instruction=cfg.instruction,
-                         split_method=params.subfigures.method, tolerance=params.subfigures.tolerance)
-
-
-def make_accelerator():
-    import torch
-    from accelerate import Accelerator
-
-    return Accelerator(cpu=not torch.cuda.is_available())

@@ -1,5 +1,6 @@
-"""Rewards for PaCo-GRPO on text-to-image sets: a registry of named functions, one float per
-composite image.
+"""Rewards for PaCo-GRPO on text-to-image sets and edits: a registry of named functions, one float
+per composite image, and the reward context a stage builds from its params
+(:func:`make_reward_context`).
 
 =============  ===================================================================================
 name           what it measures (source)
@@ -13,8 +14,10 @@ consistency    PaCo-Reward: the grid is cut into its ``rows x cols`` panels (the
 clip_t         mean over panels of the CLIP cosine between panel ``k`` and its own panel prompt
                (reference ``subfig_clipT.py``). In [-1, 1].
 pickscore      CLIP score of the whole grid against the whole prompt, ``logit_scale * cosine /
-               26`` (the reference's ``pickscore_scorer.py`` divides by 26 "to 0-1"); here the
-               pipeline's ``clip`` model stands in for PickScore_v1.
+               26`` (the reference's ``pickscore_scorer.py`` divides by 26 "to 0-1"). The
+               embedded stand-in (:func:`pickscore_stand_in`): the pipeline's ``clip`` model
+               scores in place of PickScore_v1, which arrives with the paper-scale work; the
+               reward keeps the name ``pickscore`` (params and metric keys).
 consistency_   image editing: ``sqrt(P_SC * P_PF)``, the served judge's P(Yes) for the original
 for_editing    image (first) and the edited one (second) under the semantic-consistency question
                (``edit_sc``) and the prompt-following question (``edit_pf``) with the edit
@@ -31,16 +34,19 @@ A reward function never hides a failure: an unreachable judge raises
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from paco.core.params import Params, ParamsError
 from paco.data.subfigures import crop_panels, split_grid
-from paco.judge.templates import get_template, judge_instruction
+from paco.core.templates import get_template, judge_instruction
 
 #: The reference's PickScore normaliser ("norm to 0-1": ``scores / 26``).
 PICKSCORE_SCALE = 26.0
@@ -51,9 +57,10 @@ class RewardError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class PromptInfo:
-    """What the rewards need of a prompt: a T2IS prompt (a ``prompts.parquet`` row), or an edit
-    (``prompt`` the instruction, ``reference`` the input image, a 1x1 layout)."""
+class SubtaskItem:
+    """What the rewards and the policies need of one item of a subtask: a T2IS prompt (a
+    ``prompts.parquet`` row), or an edit (``prompt_id`` the item id, ``prompt`` the instruction,
+    ``reference`` the input image, a 1x1 layout)."""
 
     prompt_id: str
     prompt: str
@@ -64,13 +71,13 @@ class PromptInfo:
     reference: Image.Image | None = None
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> PromptInfo:
+    def from_row(cls, row: Mapping[str, Any]) -> SubtaskItem:
         """A ``prompts.parquet`` row (:data:`ITEM_COLUMNS` ``["prompts"]``)."""
         return cls(str(row["prompt_id"]), str(row["prompt"]), str(row.get("global_prompt") or ""),
                    int(row["rows"]), int(row["cols"]), tuple(str(p) for p in row["panel_prompts"]))
 
     @classmethod
-    def from_edit_row(cls, row: Mapping[str, Any]) -> PromptInfo:
+    def from_edit_row(cls, row: Mapping[str, Any]) -> SubtaskItem:
         """An ``edits.parquet`` row (:data:`ITEM_COLUMNS` ``["edits"]``): the instruction as the
         prompt, the decoded input image as the reference, a 1x1 layout.
 
@@ -91,8 +98,8 @@ ITEM_COLUMNS: dict[str, list[str]] = {
 }
 
 
-def subtask_items(table: Any, dataset: str) -> tuple[Any, dict[str, PromptInfo]]:
-    """A subtask's items table in one layout, and its :class:`PromptInfo` by id.
+def subtask_items(table: Any, dataset: str) -> tuple[Any, dict[str, SubtaskItem]]:
+    """A subtask's items table in one layout, and its :class:`SubtaskItem` by id.
 
     Args:
         table: ``prompts.parquet`` (``dataset="prompts"``) or ``edits.parquet`` (``"edits"``)
@@ -102,7 +109,7 @@ def subtask_items(table: Any, dataset: str) -> tuple[Any, dict[str, PromptInfo]]
     Returns:
         ``(items, infos)``: ``items`` has ``prompt_id`` (an edit's ``item_id``), ``split``,
         ``height``, ``width`` (the composite's or the input image's size, px); ``infos`` maps
-        ``prompt_id`` to its :class:`PromptInfo` (an edit's with its decoded input image).
+        ``prompt_id`` to its :class:`SubtaskItem` (an edit's with its decoded input image).
 
     Raises:
         ValueError: an unknown dataset. paco.core.io.ImageDecodeError: an undecodable input image.
@@ -111,10 +118,10 @@ def subtask_items(table: Any, dataset: str) -> tuple[Any, dict[str, PromptInfo]]
         raise ValueError(f"unknown dataset {dataset!r}; expected one of {sorted(ITEM_COLUMNS)}")
     records = table.to_dict("records")
     if dataset == "edits":
-        infos = {str(r["item_id"]): PromptInfo.from_edit_row(r) for r in records}
+        infos = {str(r["item_id"]): SubtaskItem.from_edit_row(r) for r in records}
         items = table.rename(columns={"item_id": "prompt_id"})
     else:
-        infos = {str(r["prompt_id"]): PromptInfo.from_row(r) for r in records}
+        infos = {str(r["prompt_id"]): SubtaskItem.from_row(r) for r in records}
         items = table
     items = items[["prompt_id", "split", "height", "width"]].copy()
     items["prompt_id"] = items["prompt_id"].astype(str)
@@ -139,16 +146,49 @@ class RewardContext:
     split_method: str = "refine"
     tolerance: float = 0.08
 
-    def panel_boxes(self, image: Image.Image, prompt: PromptInfo) -> list[tuple[int, int, int, int]]:
+    def panel_boxes(self, image: Image.Image, prompt: SubtaskItem) -> list[tuple[int, int, int, int]]:
         """The grid's ``rows x cols`` panel boxes (:func:`paco.data.subfigures.split_grid`)."""
         return split_grid(image, prompt.rows, prompt.cols, method=self.split_method, tolerance=self.tolerance)
 
-    def panels(self, image: Image.Image, prompt: PromptInfo) -> list[Image.Image]:
+    def panels(self, image: Image.Image, prompt: SubtaskItem) -> list[Image.Image]:
         """The grid's panels, row-major."""
         return crop_panels(image, self.panel_boxes(image, prompt))
 
 
-RewardFn = Callable[[Sequence[Image.Image], Sequence[PromptInfo], RewardContext], np.ndarray]
+def make_reward_context(params: Params, endpoint: Any, clip_dir: Path) -> RewardContext:
+    """The reward context of a stage (``grpo``, ``final_samples``): the judge client
+    (``judge_endpoint`` params) and the CLIP scorer the rewards use, the judge instruction and the
+    grid cutting (``subfigures`` params). CLIP is loaded before waiting for the endpoint, so it
+    loads while a local judge server starts.
+
+    Args:
+        params: the validated params.
+        endpoint: a :class:`paco.grpo.judge_endpoint.JudgeEndpoint` (its ``url()`` waits for the judge).
+        clip_dir: the CLIP model directory (``models`` stage).
+
+    Raises:
+        paco.judge.client.JudgeError: the judge is unreachable or serves another model.
+        ParamsError: ``judge_endpoint.api_key_env`` names an unset variable.
+    """
+    from paco.judge.client import JudgeClient
+    from paco.models.clip import ClipScorer
+
+    cfg = params.judge_endpoint
+    api_key = None
+    if cfg.api_key_env:
+        api_key = os.environ.get(cfg.api_key_env)
+        if not api_key:
+            raise ParamsError(f"judge.api_key_env names {cfg.api_key_env!r}, which is not set")
+    clip = ClipScorer(clip_dir)
+    client = JudgeClient(endpoint.url(), cfg.served_model_name, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
+                         retries=cfg.retries,
+                         top_logprobs=cfg.top_logprobs, answer_variants=cfg.answer_variants, api_key=api_key)
+    client.check_model()
+    return RewardContext(judge=client, clip=clip, instruction=cfg.instruction,
+                         split_method=params.subfigures.method, tolerance=params.subfigures.tolerance)
+
+
+RewardFn = Callable[[Sequence[Image.Image], Sequence[SubtaskItem], RewardContext], np.ndarray]
 REWARDS: dict[str, RewardFn] = {}
 #: Rewards computed by a served model (the judge over HTTP), not on this process's device: a
 #: trainer may score them on a worker thread while it samples (``rollout.overlap_rewards``).
@@ -178,7 +218,7 @@ def _need(obj: Any, what: str, reward: str) -> Any:
 
 
 @register("consistency", served=True)
-def consistency(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ctx: RewardContext) -> np.ndarray:
+def consistency(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx: RewardContext) -> np.ndarray:
     """Mean judge score over all panel pairs of each grid (see the module table).
 
     Returns ``(n,)`` float64 in [0, 1]. Raises :class:`RewardError` for a grid of fewer than two
@@ -206,7 +246,7 @@ def editing_scores(judge: Any, originals: Sequence[Image.Image], edited: Sequenc
     """``(P_SC, P_PF, sqrt(P_SC * P_PF))`` per edit, each ``(n,)`` float64 in [0, 1].
 
     The judge sees the original first and the edited image second, once with the ``edit_sc``
-    question and once with ``edit_pf`` (:mod:`paco.judge.templates`), both carrying the
+    question and once with ``edit_pf`` (:mod:`paco.core.templates`), both carrying the
     instruction; one ``judge.score`` call scores all ``2n`` requests (SC of every edit, then PF).
     Source: paper §7; X-GenGroup/PaCo-RL ``consistency_for_editing.py``.
 
@@ -230,7 +270,7 @@ def editing_scores(judge: Any, originals: Sequence[Image.Image], edited: Sequenc
 
 
 @register("consistency_for_editing", served=True)
-def consistency_for_editing(images: Sequence[Image.Image], prompts: Sequence[PromptInfo],
+def consistency_for_editing(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem],
                             ctx: RewardContext) -> np.ndarray:
     """The editing reward ``sqrt(P_SC * P_PF)`` of each edited image against its prompt's
     ``reference`` (:func:`editing_scores`); ``(n,)`` float64 in [0, 1].
@@ -244,7 +284,7 @@ def consistency_for_editing(images: Sequence[Image.Image], prompts: Sequence[Pro
 
 
 @register("clip_t")
-def clip_t(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ctx: RewardContext) -> np.ndarray:
+def clip_t(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx: RewardContext) -> np.ndarray:
     """Mean CLIP cosine of each panel with its own panel prompt; ``(n,)`` float64 in [-1, 1].
 
     Raises :class:`RewardError` when a prompt's panel prompts do not match its layout."""
@@ -263,14 +303,40 @@ def clip_t(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ctx: Re
 
 
 @register("pickscore")
-def pickscore(images: Sequence[Image.Image], prompts: Sequence[PromptInfo], ctx: RewardContext) -> np.ndarray:
-    """``logit_scale * cosine(grid, prompt) / 26`` per grid; ``(n,)`` float64."""
+def pickscore_stand_in(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx: RewardContext
+                       ) -> np.ndarray:
+    """The ``pickscore`` reward's embedded stand-in: ``logit_scale * cosine(grid, prompt) / 26``
+    per grid with the pipeline's CLIP model (``ctx.clip``) in place of PickScore_v1 (which
+    arrives with the paper-scale work); the reference's ``/ 26`` scale. ``(n,)`` float64."""
     clip = _need(ctx.clip, "CLIP model", "pickscore")
     scores = clip.image_text_scores(list(images), [p.prompt for p in prompts]).double().numpy()
     return scores / PICKSCORE_SCALE
 
 
-def compute_rewards(names: Sequence[str], images: Sequence[Image.Image], prompts: Sequence[PromptInfo],
+def check_reward_names(names: Iterable[str], where: str, *, source: str = "params.yaml") -> None:
+    """Check that every name in ``names`` is a registered reward (:data:`REWARDS`).
+
+    The params schema checks a subtask's ``rewards`` for shape only (it imports nothing above
+    :mod:`paco.core`); the stages that compute rewards (``grpo``, ``final_samples``) call this at
+    their start, and ``params_check`` for every subtask, so ``dvc repro`` stops early on a
+    misspelled reward.
+
+    Args:
+        names: reward names (a ``grpo.<subtask>.rewards`` mapping gives its keys).
+        where: the dotted params key of the names, e.g. ``grpo.t2is.rewards``.
+        source: the params file, for the message.
+
+    Raises:
+        paco.core.params.ParamsError: ``source: invalid parameters`` and a line
+            ``  <where>: unknown reward(s) [...]; registered: [...]``, as the schema's errors.
+    """
+    unknown = sorted(set(names) - set(REWARDS))
+    if unknown:
+        raise ParamsError(f"{source}: invalid parameters\n  {where}: unknown reward(s) {unknown}; "
+                          f"registered: {sorted(REWARDS)}")
+
+
+def compute_rewards(names: Sequence[str], images: Sequence[Image.Image], prompts: Sequence[SubtaskItem],
                     ctx: RewardContext) -> dict[str, np.ndarray]:
     """Every reward in ``names`` for every image: name -> ``(n,)`` float64.
 
@@ -318,7 +384,7 @@ class OverlappedRewards:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-rewards") if self.names else None
         self._parts: list[Future] = []
 
-    def submit(self, images: list[Any], infos: list[PromptInfo]) -> None:
+    def submit(self, images: list[Any], infos: list[SubtaskItem]) -> None:
         """Queue one group's images; raises the error of an earlier group that failed."""
         if self._pool is None or not images:
             return

@@ -1,5 +1,7 @@
-"""PaCo-Reward, the pairwise consistency judge (paper §3): prompt templates (``templates``), the
-CoT teacher and its labels (``teacher``, ``labels``), the judge model and its score P(Yes)
-(``model``), the first-token-weighted loss (``losses``), LoRA training (``training``),
+"""PaCo-Reward, the pairwise consistency judge (paper §3): the chat layout of its requests
+(``chat``; the prompt templates are :mod:`paco.core.templates`) and the format of its answers
+(``response``), the CoT teachers and their labels (``teachers``, ``labels``), the judge model and
+its score P(Yes) (``model``), the first-token-weighted loss (``losses``), LoRA training
+(``training``, with ``sft_data``, ``lora``, ``batch_plan``, ``checkpointing``),
 ConsistencyRank evaluation and its metrics (``evaluation``, ``metrics``), and the judge served
 over the OpenAI API with its client (``serve``, ``client``)."""

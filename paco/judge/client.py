@@ -42,8 +42,9 @@ from typing import Any
 from PIL import Image
 
 from paco.core.numerics import fix_numerics_env
+from paco.judge.chat import build_openai_messages, openai_error_message, openai_retries, png_bytes
 from paco.judge.model import canonical_answer
-from paco.judge.templates import NO, YES, build_openai_messages, openai_error_message, openai_retries, png_bytes
+from paco.judge.response import NO, YES
 
 log = logging.getLogger("paco.judge.client")
 

@@ -318,7 +318,7 @@ def edit_scores(bench: pd.DataFrame, scorer: PairScorer, *, templates: str = "be
     Raises:
         ValueError: unknown ``templates``.
     """
-    from paco.judge.templates import get_template
+    from paco.core.templates import get_template
 
     if templates not in ("bench", "reward"):
         raise ValueError(f"templates must be bench or reward, got {templates!r}")

@@ -1,6 +1,6 @@
 """Chain-of-thought SFT targets for the judge (paper §3.1-3.2, Fig. 2), resumable.
 
-For every Yes/No pair a teacher (:mod:`paco.judge.teacher`) writes 1-3 numbered reasons that justify
+For every Yes/No pair a teacher (:mod:`paco.judge.teachers`) writes 1-3 numbered reasons that justify
 the known label; the target is ``Yes. <reason>1. ... 2. ...</reason>`` (or bare ``Yes.`` /
 ``No.`` for the fast variant). The instruction of a T2IS pair is the theme template filled with
 the prompt's global description (the reference code's ``divide_prompt(prompt)[0]``); an editing
@@ -28,8 +28,8 @@ from typing import Any
 import pandas as pd
 
 from paco.core.io import ArtifactError, decode_image, read_parquet, write_json, write_parquet
-from paco.judge.templates import judge_instruction
-from paco.judge.teacher import PairItem, Teacher
+from paco.core.templates import judge_instruction
+from paco.judge.teachers.base import PairItem, Teacher
 
 SFT_COLUMNS = [
     "pair_id", "instance_id", "prompt_id", "split", "task", "instruction", "image_a", "image_b", "label",

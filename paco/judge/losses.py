@@ -9,7 +9,8 @@ Conventions shared by every function here:
   float32), **already aligned** with ``labels``: ``logits[b, t]`` predicts ``labels[b, t]``.
   No shifting happens here (the released trainer shifts ``logits[:, :-1]`` against
   ``labels[:, 1:]`` itself; do that before calling).
-- ``labels``: integer tensor ``(batch, seq)``; ``-100`` (``IGNORE_INDEX``) marks prompt and
+- ``labels``: integer tensor ``(batch, seq)``; ``-100`` (``IGNORE_INDEX``, set where
+  :func:`paco.judge.model.encode_sft` encodes the labels) marks prompt and
   padding positions; every other value must be a token id in ``[0, vocab)``.
 - The *answer token* of a row is its first non-ignored position; ``n`` (per row) is the
   number of non-ignored positions (answer + the ``n - 1`` other response tokens).
@@ -64,8 +65,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-#: label value of positions excluded from the loss (prompt, padding)
-IGNORE_INDEX = -100
+from paco.judge.model import IGNORE_INDEX
 
 VARIANTS = ("paper", "reference")
 

@@ -13,7 +13,7 @@ surrounding whitespace and lower-cased, is ``yes`` / ``no`` (:func:`canonical_an
 reference sums over the ``top_logprobs`` (20) of a served reply, which is what
 :func:`paco.judge.client.yes_probability` does; in process (:class:`Judge`) the whole vocabulary
 is available and every such token is summed. Training targets are ``Yes. <reason>...</reason>``
-/ ``No. ...`` (:func:`paco.judge.templates.format_response`), so the answer is the first response
+/ ``No. ...`` (:func:`paco.judge.response.format_response`), so the answer is the first response
 token; :func:`check_answer_tokens` rejects a tokenizer for which that does not hold.
 
 Context length: a prompt plus its one answer token must fit the judge's context
@@ -34,8 +34,12 @@ from typing import Any
 import torch
 from PIL import Image
 
-from paco.judge.losses import IGNORE_INDEX
-from paco.judge.templates import NO, YES, build_messages, format_response
+from paco.judge.chat import build_messages
+from paco.judge.response import NO, YES, format_response
+
+#: the label of a position that is not trained on (prompt and padding) in :func:`encode_sft`'s
+#: ``labels``: PyTorch's ``cross_entropy`` default ``ignore_index``, which transformers uses too
+IGNORE_INDEX = -100
 
 def canonical_answer(text: Any) -> str | None:
     """``YES`` / ``NO`` if ``text.strip().lower()`` is ``"yes"`` / ``"no"``, else ``None``.

@@ -18,11 +18,11 @@ any such set as LLaMA-Factory does (its ``data/README.md``):
   (or absolute, or ``{"bytes", "path"}`` cells in Parquet); their bytes are kept as published
   after a full decode check.
 * The assistant turn is the SFT target as it is (``Yes. <reason>...</reason>``); its first word
-  gives the ``label`` (:func:`paco.judge.templates.parse_response`).
+  gives the ``label`` (:func:`paco.judge.response.parse_response`).
 
 Each imported row becomes an SFT row (:data:`paco.judge.labels.SFT_COLUMNS`) of the training
 split with ``teacher`` ``import:<dataset>``, ``task`` as the params say for that dataset
-(``t2is``, ``edit_pf`` or ``edit_sc``; :mod:`paco.judge.training` never augments editing rows) and
+(``t2is``, ``edit_pf`` or ``edit_sc``; :mod:`paco.judge.sft_data` never augments editing rows) and
 ``pair_id`` ``import-<dataset>-<row:06d>``. A malformed row is an :class:`SFTImportError` naming
 the file and row, or with ``strict: false`` a skip counted with its reason.
 """
@@ -39,7 +39,7 @@ from typing import Any
 import pandas as pd
 
 from paco.core.io import ArtifactError, ImageDecodeError, decode_image, iter_text_lines
-from paco.judge.templates import parse_response
+from paco.judge.response import parse_response
 
 #: LLaMA-Factory's defaults (data/README.md)
 _SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",

@@ -11,18 +11,16 @@ Public API
 * :func:`train_reward` -- the whole stage: read ``sft.parquet`` rows, LoRA on the judge's
   language model, an ``accelerate`` training loop (DDP / gloo on CPU), per-epoch evaluation on
   the test split, resumable checkpoints, the PEFT adapter (safetensors) and a metrics dict.
-* :func:`load_sft_rows` -- ``status == "ok"`` rows of one split, sorted by ``pair_id``.
-* :func:`augment_pair` / :func:`row_images` -- the optional label-preserving augmentation of a
-  training pair (``augment``: swap A/B, horizontal flips, crops; deterministic per row/epoch).
-* :func:`lora_config` / :func:`apply_lora` -- the LoRA config restricted (by a regex) to the
-  language model, and the wrapped model; :func:`parameter_counts`.
-* :func:`epoch_plan` / :func:`shard` -- the deterministic batch plan of an epoch and one
-  process's part of a global micro-batch; :func:`distributed_loss_scale`.
 * the loop's steps over a :class:`RewardRun` and a :class:`RewardState`: :func:`setup`,
-  :func:`resume`, :func:`train_step`, :func:`evaluate_epoch`, :func:`save_checkpoint`,
-  :func:`save_adapter`, :func:`summarise`.
+  :func:`paco.judge.checkpointing.resume`, :func:`train_step`, :func:`evaluate_epoch`,
+  :func:`paco.judge.checkpointing.save_checkpoint`, :func:`paco.judge.checkpointing.save_adapter`,
+  :func:`summarise`.
 * :func:`evaluate` -- mean loss, first-token accuracy and P(Yes) accuracy on a split.
-* :func:`make_accelerator`, :func:`cpu_threads_per_process`.
+* :func:`make_accelerator`.
+
+Its parts: the SFT rows, their augmentation and encoding (:mod:`paco.judge.sft_data`), LoRA on
+the language model (:mod:`paco.judge.lora`), the batch plan and loss scaling over processes
+(:mod:`paco.judge.batch_plan`), checkpoints and the adapter (:mod:`paco.judge.checkpointing`).
 
 Devices
 =======
@@ -36,46 +34,16 @@ DeepSpeed gets the micro-batch size) but untested on this machine (no GPU, no de
 Pass a fresh ``Accelerator`` per :func:`train_reward` call (it registers the scheduler and
 hooks on it).
 
-Determinism and distribution
-============================
-
-The order of epoch ``e`` is ``torch.randperm(n, generator=seed + e)`` over the training rows
-sorted by ``pair_id``. It is cut into *global micro-batches* of ``batch_size * processes``
-rows; process ``p`` takes rows ``[p * batch_size, (p + 1) * batch_size)`` of each, so the
-union of the per-process batches is exactly the single-process batch at the same global batch.
-An optimizer step is ``gradient_accumulation_steps`` micro-batches; an epoch is
-``floor(n / global_step_rows)`` steps and the remainder (fewer than ``batch_size * processes *
-gradient_accumulation_steps`` rows, a different subset each epoch) is dropped, so every step
-has the same shape.
-
-Loss scaling makes the gradient independent of how a global micro-batch is split:
-
-* ``paper``: each process backpropagates the mean over its rows; DDP averages over processes
-  and ``accelerator.backward`` divides by the accumulation steps, so a step's gradient is that
-  of the mean loss over all its rows.
-* ``reference``: the released trainer divides the micro-batch's weighted token losses by its
-  response-token count; here the count is that of the *global* micro-batch (an all-reduce), so
-  1 process with batch 8 and 2 processes with batch 4 give the same gradient (at 1 process this
-  is exactly the released behaviour).
-
-With ``lora.dropout == 0`` (default) a run is a deterministic function of (params, data,
-processes x batch): 2 CPU processes (gloo) give the same adapter as 1 process at the same
-global batch up to float summation order, and a resumed run gives the same adapter as an
-uninterrupted one.
-
-Checkpoints
+Determinism
 ===========
 
-Every ``checkpoint_every`` optimizer steps and at each epoch end, ``accelerator.save_state``
-writes ``<checkpoints>/step-NNNNNNN/`` (LoRA weights only via a save hook, optimizer,
-scheduler, RNG states of every process) plus ``trainer_state.json`` (run identity, epoch,
-steps done in that epoch, global step, the logged history). It is written to a hidden temp
-directory and renamed, and only the last two are kept. At start the newest readable checkpoint
-is resumed if it was written under the same run identity (:mod:`paco.core.run_identity`: the sft
-table, the base model, every code file the stage runs, the ``reward_train`` params except
-``checkpoint_every``, the process count and device type; ``epochs`` is part of it, since the
-learning-rate schedule spans all epochs); otherwise the checkpoints are removed and training
-starts fresh, with the reason logged and reported.
+The batch plan and the loss scaling over processes are :mod:`paco.judge.batch_plan`'s. With
+``lora.dropout == 0`` (default) a run is a deterministic function of (params, data, processes x
+batch): 2 CPU processes (gloo) give the same adapter as 1 process at the same global batch up to
+float summation order, and a resumed run gives the same adapter as an uninterrupted one.
+
+Checkpoints: every ``checkpoint_every`` optimizer steps and at each epoch end; a run resumes from
+the newest readable checkpoint of the same run identity (:mod:`paco.judge.checkpointing`).
 
 Metrics and plots
 =================
@@ -95,8 +63,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -106,275 +72,20 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from PIL import Image
 
 from paco.core import checkpoints as ckpt
-from paco.core.io import ArtifactError, decode_image, read_parquet, write_json
-from paco.judge.model import AnswerTokens, check_answer_tokens, encode_sft, p_yes_from_logits
-from paco.judge.losses import IGNORE_INDEX, answer_positions, first_token_weighted_loss
-from paco.core.params import LoraParams, PairAugmentParams, RewardTrainParams
+from paco.core import distributed
+from paco.core.params import RewardTrainParams
 from paco.core.run_identity import RunIdentity, launch_parts
-from paco.core.stage import broadcast_from_main, cpu_threads_per_process
+from paco.core.stage import cpu_threads_per_process
+from paco.judge.batch_plan import distributed_loss_scale, epoch_plan, shard
+from paco.judge.checkpointing import LoraStateHooks, resume, save_adapter, save_checkpoint
+from paco.judge.lora import apply_lora, language_model_prefix, parameter_counts
+from paco.judge.losses import answer_positions, first_token_weighted_loss
+from paco.judge.model import IGNORE_INDEX, AnswerTokens, check_answer_tokens, p_yes_from_logits
+from paco.judge.sft_data import SftRow, encode_rows, load_sft_rows, row_images, subsample
 
 log = logging.getLogger("paco.judge.training")
-
-SFT_COLUMNS = ("pair_id", "split", "instruction", "image_a", "image_b", "label", "response", "status")
-STATE_FILE = ckpt.STATE_FILE
-LORA_STATE_FILE = "lora_trainable.safetensors"
-CHECKPOINT_PREFIX = "step-"
-KEEP_CHECKPOINTS = 2
-
-
-# --------------------------------------------------------------------------------------------
-# data
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SftRow:
-    """One training/eval example: PNG bytes of both images, the question, the target, and the
-    task (``t2is``: a symmetric consistency question; ``edit_pf`` / ``edit_sc``: the original
-    first and the edit second, so no augmentation applies: a swap or independent crops would
-    change the label)."""
-
-    pair_id: str
-    image_a: bytes
-    image_b: bytes
-    instruction: str
-    response: str
-    label: bool
-    task: str = "t2is"
-
-
-def _cell_bytes(cell: Any, what: str) -> bytes:
-    data = cell.get("bytes") if isinstance(cell, dict) else cell
-    if not data:
-        raise ArtifactError(f"{what}: image cell has no bytes")
-    return bytes(data)
-
-
-def load_sft_rows(sft: str | os.PathLike[str] | pd.DataFrame, split: str) -> list[SftRow]:
-    """The ``status == "ok"`` rows of ``split`` (sorted by ``pair_id``) of an sft table.
-
-    Raises:
-        ArtifactError: missing file/columns, duplicate ``pair_id``, an empty response or image.
-    """
-    df = read_parquet(sft, required=SFT_COLUMNS) if not isinstance(sft, pd.DataFrame) else sft
-    missing = [c for c in SFT_COLUMNS if c not in df.columns]
-    if missing:
-        raise ArtifactError(f"sft table: missing column(s) {missing}")
-    sel = df[(df["split"] == split) & (df["status"] == "ok")].sort_values("pair_id", kind="stable")
-    if sel["pair_id"].duplicated().any():
-        dup = sel.loc[sel["pair_id"].duplicated(), "pair_id"].tolist()[:5]
-        raise ArtifactError(f"sft table: duplicate pair_id(s) {dup}")
-    rows = []
-    for r in sel.itertuples(index=False):
-        if not isinstance(r.response, str) or not r.response.strip():
-            raise ArtifactError(f"sft table: pair {r.pair_id} has an empty response")
-        rows.append(
-            SftRow(
-                pair_id=str(r.pair_id),
-                image_a=_cell_bytes(r.image_a, f"pair {r.pair_id} image_a"),
-                image_b=_cell_bytes(r.image_b, f"pair {r.pair_id} image_b"),
-                instruction=str(r.instruction),
-                response=str(r.response),
-                label=bool(r.label),
-                task=str(getattr(r, "task", "t2is")),
-            )
-        )
-    return rows
-
-
-def subsample(rows: Sequence[SftRow], max_rows: int | None, seed: int) -> list[SftRow]:
-    """At most ``max_rows`` rows chosen with ``numpy.random.default_rng(seed)``, in input order."""
-    if max_rows is None or len(rows) <= max_rows:
-        return list(rows)
-    keep = np.sort(np.random.default_rng(seed).permutation(len(rows))[:max_rows])
-    return [rows[i] for i in keep]
-
-
-def augment_pair(image_a: Image.Image, image_b: Image.Image, aug: PairAugmentParams,
-                 rng: np.random.Generator) -> tuple[Image.Image, Image.Image]:
-    """A label-preserving random view of one training pair (see :class:`PairAugmentParams`).
-
-    Draws the same count of random numbers whatever the outcome (9: swap, then flip, crop area,
-    crop x, crop y for each image), so a row's view depends only on its generator. A crop keeps
-    the image's aspect ratio and is resized back to the original size (bicubic), so the judge
-    sees as many visual tokens as without augmentation.
-
-    Returns:
-        ``(view_a, view_b)``, RGB images of the input sizes, possibly swapped.
-    """
-    swap = rng.random() < aug.swap
-    out = []
-    for im in (image_a, image_b):
-        flip = rng.random() < aug.hflip
-        area = rng.uniform(*aug.crop_scale)
-        fx, fy = rng.random(), rng.random()
-        if area < 1.0:
-            w, h = im.size
-            cw, ch = max(1, round(w * math.sqrt(area))), max(1, round(h * math.sqrt(area)))
-            x0, y0 = int(fx * (w - cw + 1)), int(fy * (h - ch + 1))
-            im = im.crop((x0, y0, x0 + cw, y0 + ch)).resize((w, h), Image.Resampling.BICUBIC)
-        if flip:
-            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        out.append(im)
-    return (out[1], out[0]) if swap else (out[0], out[1])
-
-
-def row_images(row: SftRow, aug: PairAugmentParams | None = None, *, seed: int = 0, epoch: int = 0,
-               index: int = 0) -> tuple[Image.Image, Image.Image]:
-    """The decoded pair of ``row``; with an enabled ``aug``, its augmented view for training row
-    ``index`` (position in the sorted training rows) in ``epoch``, drawn from
-    ``numpy.random.default_rng([seed, epoch, index])`` (independent of processes and resumes).
-
-    Raises:
-        ArtifactError: an undecodable image (names the pair).
-    """
-    a = decode_image(row.image_a, what=f"pair {row.pair_id} image_a")
-    b = decode_image(row.image_b, what=f"pair {row.pair_id} image_b")
-    if aug is None or not aug.enabled or row.task != "t2is":
-        return a, b
-    return augment_pair(a, b, aug, np.random.default_rng([seed, epoch, index]))
-
-
-def encode_rows(processor: Any, rows: Sequence[SftRow], answer: AnswerTokens,
-                images: Sequence[tuple[Image.Image, Image.Image]] | None = None) -> dict[str, torch.Tensor]:
-    """:func:`paco.judge.model.encode_sft` of ``rows`` (decoding the PNGs, or the given ``images``, one
-    ``(image_a, image_b)`` per row), checking that each row's first response token is the
-    answer token of its label.
-
-    Raises:
-        ValueError: a response does not start with the ``Yes``/``No`` token matching ``label``.
-    """
-    if images is None:
-        images = [row_images(r) for r in rows]
-    batch = encode_sft(processor, [(a, b, r.instruction, r.response) for r, (a, b) in zip(rows, images, strict=True)])
-    pos = answer_positions(batch["labels"])
-    first = batch["labels"][torch.arange(len(rows)), pos].tolist()
-    for r, tok in zip(rows, first):
-        want = answer.yes[0] if r.label else answer.no[0]
-        if tok != want:
-            raise ValueError(
-                f"pair {r.pair_id}: response {r.response[:40]!r} starts with token {tok}, expected "
-                f"the {'Yes' if r.label else 'No'} token {want} (label {r.label})"
-            )
-    return batch
-
-
-# --------------------------------------------------------------------------------------------
-# LoRA on the language model only
-# --------------------------------------------------------------------------------------------
-
-
-def language_model_prefix(model: torch.nn.Module) -> str:
-    """Dotted name of the judge's language model (decoder stack) inside ``model``.
-
-    transformers 5 Qwen2.5-VL: ``model.language_model`` (vision tower: ``model.visual``).
-    """
-    inner = getattr(model, "model", None)
-    lm = getattr(inner, "language_model", None)
-    if lm is None:
-        get_decoder = getattr(model, "get_decoder", None)
-        lm = get_decoder() if callable(get_decoder) else None
-    if lm is None:
-        raise ValueError(f"{type(model).__name__}: cannot find the language model")
-    for name, module in model.named_modules():
-        if module is lm:
-            return name
-    raise ValueError(f"{type(model).__name__}: the language model is not a submodule")
-
-
-def lora_config(model: torch.nn.Module, lora: LoraParams) -> Any:
-    """A ``peft.LoraConfig`` whose ``target_modules`` regex matches only the modules named in
-    ``lora.target_modules`` inside the language model (its decoder layers), never the vision
-    tower or the merger, whose MLPs reuse names such as ``gate_proj``; the output head
-    (``lm_head``, outside the decoder) is not adapted either, as in the paper's setup.
-
-    Raises:
-        ValueError: a target name matches no ``nn.Linear`` inside the language model (a typo).
-    """
-    from peft import LoraConfig
-
-    prefix = language_model_prefix(model)
-    names = list(dict.fromkeys(lora.target_modules))
-    found = {n: 0 for n in names}
-    for name, module in model.named_modules():
-        if name.startswith(prefix + ".") and isinstance(module, torch.nn.Linear):
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in found:
-                found[leaf] += 1
-    missing = [n for n, c in found.items() if c == 0]
-    if missing:
-        raise ValueError(
-            f"lora.target_modules {missing} match no linear layer of the language model ({prefix})"
-        )
-    regex = rf"{re.escape(prefix)}\..*\.(?:{'|'.join(re.escape(n) for n in names)})"
-    return LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=regex,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-
-
-def apply_lora(model: torch.nn.Module, lora: LoraParams) -> Any:
-    """``peft.get_peft_model`` with :func:`lora_config`; checks that every trainable parameter
-    is a LoRA weight inside the language model (vision tower and merger frozen)."""
-    from peft import get_peft_model
-
-    prefix = language_model_prefix(model)
-    peft_model = get_peft_model(model, lora_config(model, lora))
-    bad = [n for n, p in peft_model.named_parameters()
-           if p.requires_grad and (f".{prefix}." not in f".{n}" or "lora_" not in n)]
-    if bad:
-        raise RuntimeError(f"parameters outside the language model's LoRA are trainable: {bad[:5]}")
-    return peft_model
-
-
-def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
-    """``{"trainable": ..., "total": ..., "frozen": ...}`` parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    return {"trainable": int(trainable), "total": int(total), "frozen": int(total - trainable)}
-
-
-# --------------------------------------------------------------------------------------------
-# batch plan
-# --------------------------------------------------------------------------------------------
-
-
-def epoch_plan(n: int, *, seed: int, epoch: int, batch_size: int, num_processes: int,
-               grad_accum: int) -> list[list[list[int]]]:
-    """The optimizer steps of one epoch: ``steps[s][m]`` is the ``m``-th global micro-batch of
-    step ``s``, a list of ``batch_size * num_processes`` row indices; process ``p`` uses
-    ``shard(micro_batch, p, batch_size)``. Depends on ``batch_size * num_processes`` only
-    through the global batch, and on nothing else but ``(n, seed, epoch, grad_accum)``."""
-    g = torch.Generator().manual_seed(int(seed) + int(epoch))
-    order = torch.randperm(n, generator=g).tolist()
-    mb = batch_size * num_processes
-    n_steps = n // (mb * grad_accum)
-    return [[order[(s * grad_accum + m) * mb:(s * grad_accum + m + 1) * mb] for m in range(grad_accum)]
-            for s in range(n_steps)]
-
-
-def shard(micro_batch: Sequence[int], process_index: int, batch_size: int) -> list[int]:
-    """Process ``process_index``'s part of a global micro-batch."""
-    return list(micro_batch[process_index * batch_size:(process_index + 1) * batch_size])
-
-
-def distributed_loss_scale(variant: str, n_local: float, n_global: float, num_processes: int) -> float:
-    """Factor on a process's micro-batch loss so that the mean over processes (what DDP's
-    gradient averaging computes) equals the loss of the whole global micro-batch.
-
-    ``paper`` (mean over rows, equal rows per process): 1. ``reference`` (weighted token losses
-    over the response-token count ``n``): ``n_local * num_processes / n_global``.
-    """
-    if variant == "reference":
-        return float(n_local) * num_processes / float(n_global)
-    return 1.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,13 +96,12 @@ def distributed_loss_scale(variant: str, n_local: float, n_global: float, num_pr
 def make_accelerator(cfg: RewardTrainParams) -> Any:
     """``accelerate.Accelerator`` for this config: CPU (gloo for several processes) when no CUDA
     device exists, bf16 autocast only for ``dtype: bfloat16`` on a GPU."""
-    from accelerate import Accelerator
-
     cpu = not torch.cuda.is_available()
     if cfg.dtype == "bfloat16" and cpu:
         log.warning("dtype bfloat16 requested but no GPU: training in float32 on CPU")
     mixed = "bf16" if (cfg.dtype == "bfloat16" and not cpu) else "no"
-    return Accelerator(cpu=cpu, mixed_precision=mixed, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    return distributed.make_accelerator(mixed_precision=mixed,
+                                        gradient_accumulation_steps=cfg.gradient_accumulation_steps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,44 +190,9 @@ class StepInfo:
     checkpoint: str | None
 
 
-class _LoraStateHooks:
-    """accelerate save/load pre-hooks that checkpoint only the trainable (LoRA) weights, not the
-    frozen base model (``accelerator.save_state`` would otherwise write all of it)."""
-
-    def __init__(self, accelerator: Any):
-        self.accelerator = accelerator
-
-    def trainable(self, model: Any) -> dict[str, torch.nn.Parameter]:
-        return {n: p for n, p in self.accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
-
-    def save(self, models: list, weights: list, output_dir: str) -> None:
-        from safetensors.torch import save_file
-
-        for i in range(len(weights)):  # empty under FSDP / DeepSpeed: they save their own way
-            if self.accelerator.is_main_process:
-                name = LORA_STATE_FILE if i == 0 else f"{i}_{LORA_STATE_FILE}"
-                state = {n: p.detach().cpu().contiguous() for n, p in self.trainable(models[i]).items()}
-                save_file(state, os.path.join(output_dir, name))
-        del weights[:]
-
-    def load(self, models: list, input_dir: str) -> None:
-        from safetensors.torch import load_file
-
-        for i, m in enumerate(list(models)):
-            name = LORA_STATE_FILE if i == 0 else f"{i}_{LORA_STATE_FILE}"
-            state = load_file(os.path.join(input_dir, name))
-            own = self.trainable(m)
-            if set(state) != set(own):
-                raise RuntimeError(f"checkpoint {input_dir}: its LoRA parameter names differ from the model's")
-            with torch.no_grad():
-                for n, p in own.items():
-                    p.copy_(state[n].to(p.device, p.dtype))
-        del models[:]
-
-
 @dataclass
 class RewardRun:
-    """What stays fixed through a judge training run: params, the accelerator, the data split,
+    """What stays fixed through a judge training run: its params section, the accelerator, the data split,
     the LoRA-wrapped model (prepared) with its optimizer and scheduler, the answer tokens, the
     run identity and where state goes."""
 
@@ -528,7 +203,7 @@ class RewardRun:
     processor: Any
     optimizer: Any
     scheduler: Any
-    params: list[torch.nn.Parameter]
+    lora_params: list[torch.nn.Parameter]
     answer: AnswerTokens
     train_rows: list[SftRow]
     train_available: int
@@ -621,8 +296,8 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
                  len(train_rows), len(train_all), len(test_rows), global_batch, bs, world, ga, steps_per_epoch,
                  cfg.epochs, warmup_steps, torch.get_num_threads(), accelerator.device)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    lora_params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(lora_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     sched_name = "constant_with_warmup" if (cfg.lr_scheduler == "constant" and warmup_steps) else cfg.lr_scheduler
     scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
     ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
@@ -632,12 +307,12 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
     # Not prepared: a prepared scheduler steps once per process per optimizer step. Stepped by
     # hand once per optimizer step and checkpointed as a registered object.
     accelerator.register_for_checkpointing(scheduler)
-    hooks = _LoraStateHooks(accelerator)
+    hooks = LoraStateHooks(accelerator)
     handles = [accelerator.register_save_state_pre_hook(hooks.save),
                accelerator.register_load_state_pre_hook(hooks.load)]
     return RewardRun(
         cfg=cfg, accelerator=accelerator, identity=identity.extended(**launch_parts(world, accelerator.device.type)),
-        model=model, processor=processor, optimizer=optimizer, scheduler=scheduler, params=params, answer=answer,
+        model=model, processor=processor, optimizer=optimizer, scheduler=scheduler, lora_params=lora_params, answer=answer,
         train_rows=train_rows, train_available=len(train_all), test_rows=test_rows, counts=counts,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, warmup_steps=warmup_steps,
         checkpoints_dir=Path(checkpoints_dir), plots_dir=Path(plots_dir) if (plots_dir is not None and main) else None,
@@ -645,52 +320,12 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
     )
 
 
-def _check_readable(path: Path) -> None:
-    """Read every file ``accelerator.save_state`` wrote into a checkpoint (safetensors and
-    pickles; the sharded directories of FSDP / DeepSpeed are left to them).
-
-    Raises:
-        Exception: a file is truncated or corrupt.
-    """
-    from safetensors.torch import load_file
-
-    for f in sorted(path.iterdir()):
-        if f.suffix == ".safetensors":
-            load_file(str(f))
-        elif f.suffix in (".bin", ".pkl", ".pt"):
-            torch.load(f, weights_only=False, map_location="cpu")
-
-
-def resume(run: RewardRun) -> RewardState:
-    """The newest readable checkpoint written under the same run identity (decided by the main
-    process, :func:`paco.core.checkpoints.find_resumable`, and broadcast), loaded into the model,
-    optimizer, scheduler and RNGs (``accelerator.load_state``), or a fresh state."""
-    found = None
-    if run.main:
-        required = ["custom_checkpoint_0.pkl"] + [f"random_states_{r}.pkl" for r in range(run.world)]
-        found = ckpt.find_resumable(run.checkpoints_dir, CHECKPOINT_PREFIX, run.identity, main=True, log=log,
-                                    required_files=required, load=lambda path, saved: _check_readable(path))
-        if found.path is None:
-            log.info("starting fresh: %s", found.reason)
-    found = broadcast_from_main(run.accelerator, found)
-    state = RewardState(resume=found)
-    if found.path is not None:
-        run.accelerator.load_state(str(found.path))
-        saved = found.state
-        state.history = saved["history"]
-        state.epoch, state.step_in_epoch, state.global_step = saved["epoch"], saved["step_in_epoch"], saved["global_step"]
-        if run.main:
-            log.info("resuming from %s: epoch %d, %d/%d steps of it done, global step %d",
-                     found.path, state.epoch + 1, state.step_in_epoch, run.steps_per_epoch, state.global_step)
-    run.accelerator.wait_for_everyone()
-    return state
-
-
 def train_step(run: RewardRun, state: RewardState, micro_batches: Sequence[Sequence[int]]) -> dict[str, Any]:
     """One optimizer step over a plan step's global micro-batches (this process's shard of
-    each, :func:`shard`): forward, first-token-weighted loss (scaled for the global batch with
-    the ``reference`` variant), backward, clipping, the optimizer and scheduler steps. Returns
-    the step's ``plots/train.csv`` row (loss and first-token accuracy summed over processes).
+    each, :func:`~paco.judge.batch_plan.shard`): forward, first-token-weighted loss (scaled for
+    the global batch with the ``reference`` variant), backward, clipping, the optimizer and
+    scheduler steps. Returns the step's ``plots/train.csv`` row (loss and first-token accuracy
+    summed over processes).
 
     Raises:
         FloatingPointError: a non-finite loss. RuntimeError: accumulation out of step.
@@ -707,7 +342,7 @@ def train_step(run: RewardRun, state: RewardState, micro_batches: Sequence[Seque
                 logits, labels = _forward(model, batch, acc.device)
             loss = first_token_weighted_loss(logits, labels, cfg.first_token_weight, cfg.loss_variant)
             if cfg.loss_variant == "reference" and run.world > 1:
-                # normalise by the global micro-batch's response tokens (see module doc)
+                # normalise by the global micro-batch's response tokens (see paco.judge.batch_plan)
                 n_local = (labels != IGNORE_INDEX).sum().to(torch.float64)
                 n_global = acc.reduce(n_local.clone(), reduction="sum")
                 loss = loss * distributed_loss_scale(cfg.loss_variant, float(n_local), float(n_global), run.world)
@@ -715,7 +350,7 @@ def train_step(run: RewardRun, state: RewardState, micro_batches: Sequence[Seque
                 raise FloatingPointError(f"non-finite training loss at step {state.global_step + 1}")
             acc.backward(loss)
             if acc.sync_gradients:
-                grad_norm = acc.clip_grad_norm_(run.params, cfg.max_grad_norm)
+                grad_norm = acc.clip_grad_norm_(run.lora_params, cfg.max_grad_norm)
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
         correct, _ = _answer_stats(logits.detach(), labels, run.answer)
@@ -744,54 +379,6 @@ def evaluate_epoch(run: RewardRun, state: RewardState, epoch: int) -> dict[str, 
     return {"epoch": epoch, "step": state.global_step, **res}
 
 
-def save_checkpoint(run: RewardRun, state: RewardState) -> str:
-    """``step-NNNNNNN/``: ``accelerator.save_state`` (LoRA weights via the hook, optimizer,
-    scheduler, every process's RNG state) plus ``trainer_state.json`` (run identity, position,
-    history); written to a temp directory and renamed; the newest :data:`KEEP_CHECKPOINTS` kept.
-    Also rewrites ``plots/*.csv``."""
-    acc, ckdir = run.accelerator, run.checkpoints_dir
-    name = f"{CHECKPOINT_PREFIX}{state.global_step:07d}"
-    tmp = ckdir / f".tmp-{name}"
-    if run.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        ckdir.mkdir(parents=True, exist_ok=True)
-    acc.wait_for_everyone()
-    acc.save_state(str(tmp))
-    acc.wait_for_everyone()
-    if run.main:
-        write_json(tmp / STATE_FILE, {
-            **run.identity.to_state(), "epoch": state.epoch, "step_in_epoch": state.step_in_epoch,
-            "steps_per_epoch": run.steps_per_epoch, "global_step": state.global_step, "history": state.history,
-        })
-        ckpt.replace_dir(tmp, ckdir / name)
-        ckpt.prune(ckdir, CHECKPOINT_PREFIX, KEEP_CHECKPOINTS)
-        ckpt.write_plot_csvs(run.plots_dir, state.history)
-    acc.wait_for_everyone()
-    return str(ckdir / name)
-
-
-def save_adapter(run: RewardRun, adapter_dir: str | os.PathLike[str] | None) -> None:
-    """The PEFT adapter (``adapter_config.json``, ``adapter_model.safetensors``, canonical
-    bytes) written by the main process via a temp directory and a rename; ``get_state_dict`` is a
-    collective under FSDP / ZeRO-3, so every process calls this."""
-    acc = run.accelerator
-    acc.wait_for_everyone()
-    unwrapped = acc.unwrap_model(run.model)
-    state_dict = acc.get_state_dict(run.model)
-    if run.main and adapter_dir is not None:
-        target = Path(adapter_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True,
-                                  save_embedding_layers=False)
-        ckpt.canonicalise_adapter_dir(tmp)
-        for f in tmp.iterdir():  # safetensors creates its file 0600; keep the usual permissions
-            f.chmod(0o644)
-        ckpt.replace_dir(tmp, target)
-        log.info("adapter saved to %s", target)
-
-
 def train_reward(
     cfg: RewardTrainParams,
     sft: str | os.PathLike[str] | pd.DataFrame,
@@ -807,9 +394,10 @@ def train_reward(
     log_every: int = 10,
 ) -> dict[str, Any]:
     """Train the judge's LoRA adapter (see the module docstring for the semantics): :func:`setup`,
-    :func:`resume`, then per optimizer step :func:`train_step`, at each epoch end
-    :func:`evaluate_epoch`, and :func:`save_checkpoint` at epoch ends and every
-    ``checkpoint_every`` steps; finally :func:`save_adapter`.
+    :func:`~paco.judge.checkpointing.resume`, then per optimizer step :func:`train_step`, at each
+    epoch end :func:`evaluate_epoch`, and :func:`~paco.judge.checkpointing.save_checkpoint` at
+    epoch ends and every ``checkpoint_every`` steps; finally
+    :func:`~paco.judge.checkpointing.save_adapter`.
 
     Args:
         cfg: the ``reward_train`` params section.
@@ -844,7 +432,7 @@ def train_reward(
     accelerator = accelerator or make_accelerator(cfg)
     run = setup(cfg, sft, base_dir, identity, accelerator=accelerator, checkpoints_dir=checkpoints_dir,
                 plots_dir=plots_dir)
-    state = resume(run)
+    state = resume(run, RewardState())
     if eval_at_start and state.global_step == 0 and not state.history["eval"]:
         state.history["eval"].append(evaluate_epoch(run, state, 0))
 

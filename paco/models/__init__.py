@@ -4,7 +4,7 @@ Public API (imported lazily, so ``import paco.models`` does not import torch/tra
 
 * :func:`materialise` (``fetch``) - spec (``tiny:<name>`` | local dir | hub id) -> HF directory;
 * :func:`build_tiny`, :data:`TINY_NAMES` (``tiny``) - tiny random-init models from a seed;
-* :func:`load_judge`, :func:`load_judge_processor`, :func:`load_clip`,
+* :func:`load_judge`, :func:`load_qwen_vl_processor`, :func:`load_clip`,
   :func:`load_flux_pipeline`, :func:`load_pipeline`, :class:`Qwen2_5_VLImageOnlyProcessor`,
   :class:`ModelDirectoryError` (``loading``);
 * :func:`train_qwen_tokenizer`, :func:`train_clip_tokenizer`, :func:`train_t5_tokenizer`
@@ -25,7 +25,7 @@ _EXPORTS = {
     "JUDGE_MIN_PIXELS": "tiny",
     "JUDGE_MAX_PIXELS": "tiny",
     "load_judge": "loading",
-    "load_judge_processor": "loading",
+    "load_qwen_vl_processor": "loading",
     "load_clip": "loading",
     "load_flux_pipeline": "loading",
     "load_pipeline": "loading",

@@ -3,8 +3,9 @@
 The tiny models of the embedded default (docs/architecture.md §10) need tokenizers, and there is no hub to
 download one from, so :mod:`paco.models.tokenizers` trains them on this corpus. It covers what
 the pipeline feeds a tokenizer: image-set prompts (subjects, styles, settings), grid panel tags
-(``[TOP]``, ``[TOP-LEFT]`` ...), numbers and punctuation, the judge's prompt templates verbatim,
-its answer words ``Yes`` / ``No`` and the ``<reason>1. ... 2. ...</reason>`` phrasing.
+(``[TOP]``, ``[TOP-LEFT]`` ...), numbers and punctuation, two of the judge's prompt templates
+(frozen copies), its answer words ``Yes`` / ``No`` and the ``<reason>1. ... 2. ...</reason>``
+phrasing.
 
 Everything here is a constant or built from constants in a fixed order, so
 :func:`corpus_lines` returns the same list on every call, machine and Python version (no
@@ -13,13 +14,24 @@ hashing, no randomness) and the trained tokenizers are reproducible.
 
 from __future__ import annotations
 
-from paco.judge.templates import CRITERIA_COT, T2IS_THEME
+# The template texts the tiny tokenizers were trained on: frozen copies of
+# ``paco.core.templates.T2IS_THEME.text`` and ``CRITERIA_COT.text`` as they were when the tiny
+# models were defined. Rewording a judge template later does not retrain the tokenizers (nor
+# rebuild the models: this module imports no template); a byte-level BPE encodes any text.
+# tests/test_models.py checks that the current templates still encode into few tokens.
 
-#: The pairwise consistency prompt of PaCo-Reward (paper §3.1), from :mod:`paco.judge.templates`.
-PAIRWISE_TEMPLATE = T2IS_THEME.text
+#: The pairwise consistency prompt of PaCo-Reward (paper §3.1), frozen (see above).
+PAIRWISE_TEMPLATE = (
+    'Given two subfigures generated based on the theme: "{main_prompt}", do the two images '
+    'maintain consistency in terms of style, logic and identity? Answer "Yes" and "No" first, '
+    "and then provide detailed reasons."
+)
 
-#: The criteria prompt (prompt-image alignment), from :mod:`paco.judge.templates`.
-CRITERIA_TEMPLATE = CRITERIA_COT.text
+#: The criteria prompt (prompt-image alignment), frozen (see above).
+CRITERIA_TEMPLATE = (
+    "Do images meet the following criteria? {criteria} Please answer Yes or No first, then "
+    "provide detailed reasons."
+)
 
 #: Grid panel tags used in FLUX grid prompts.
 PANEL_TAGS = (
@@ -170,7 +182,7 @@ def _number_lines() -> list[str]:
 
 
 def _template_lines() -> list[str]:
-    """The judge templates, raw and filled with a few prompts and criteria (many times, so the
+    """The two frozen judge templates, raw and filled with a few prompts and criteria (many times, so the
     answer words and frequent template words become single tokens)."""
     themes = [line.rstrip(".") for line in _PROMPTS.splitlines()[:24]]
     criteria = (

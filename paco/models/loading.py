@@ -60,7 +60,7 @@ class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
     (``Qwen2Tokenizer``) plus an optional ``chat_template``. Calling it with ``videos=`` is an
     error. ``save_pretrained`` writes ``processor_class: "Qwen2_5_VLProcessor"`` so the saved
     directory has the stock layout (``AutoProcessor`` loads it where torchvision exists);
-    :func:`load_judge_processor` always reloads it with this class.
+    :func:`load_qwen_vl_processor` always reloads it with this class.
     """
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
@@ -105,8 +105,10 @@ class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
         return [image_processor, tokenizer]
 
 
-def load_judge_processor(path: str | Path) -> Qwen2_5_VLImageOnlyProcessor:
-    """Load the judge's processor (image processor + tokenizer + chat template) from ``path``.
+def load_qwen_vl_processor(path: str | Path) -> Qwen2_5_VLImageOnlyProcessor:
+    """Load a Qwen2.5-VL processor (image processor + tokenizer + chat template) from ``path``,
+    image-only (:class:`Qwen2_5_VLImageOnlyProcessor`): the judge's, and the Qwen-Image-Edit
+    policy's text encoder's (``processor/``, :mod:`paco.grpo.policies.qwen_image`).
 
     Works for the tiny build and for a Qwen2.5-VL hub snapshot (``preprocessor_config.json`` or
     ``processor_config.json``). Chat messages use the Qwen format:
@@ -120,7 +122,7 @@ def load_judge_processor(path: str | Path) -> Qwen2_5_VLImageOnlyProcessor:
     """
     path = _check_dir(
         path,
-        "judge processor",
+        "Qwen2.5-VL processor",
         [],
         [["tokenizer.json", "vocab.json"], ["processor_config.json", "preprocessor_config.json"]],
     )
@@ -146,7 +148,7 @@ def load_judge(path: str | Path, dtype: torch.dtype = torch.float32):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     path = _check_dir(path, "judge", ["config.json"], [_WEIGHTS])
-    processor = load_judge_processor(path)
+    processor = load_qwen_vl_processor(path)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         str(path), dtype=dtype, local_files_only=True
     )

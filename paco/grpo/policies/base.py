@@ -205,7 +205,7 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def condition(self, prompts: Sequence[Any], height: int, width: int) -> Conditioning:
-        """The conditioning of ``prompts`` (:class:`paco.grpo.rewards.PromptInfo`: ``prompt``, and
+        """The conditioning of ``prompts`` (:class:`paco.grpo.rewards.SubtaskItem`: ``prompt``, and
         ``reference`` for an editing family) for samples of ``height x width`` px (frozen
         encoders, no grad).
 

@@ -67,9 +67,9 @@ class QwenImageEditPolicy(Policy):
     def component_overrides(cls, model_dir: str | Path) -> dict[str, Any]:
         """The processor, loaded image-only (``Qwen2VLProcessor`` needs torchvision for its video
         processor; images are all the pipeline gives it)."""
-        from paco.models.loading import load_judge_processor
+        from paco.models.loading import load_qwen_vl_processor
 
-        return {"processor": load_judge_processor(Path(model_dir) / "processor")}
+        return {"processor": load_qwen_vl_processor(Path(model_dir) / "processor")}
 
     # ---------------------------------------------------------------------------- conditioning
 

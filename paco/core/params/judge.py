@@ -1,0 +1,225 @@
+"""The params sections of the judge stages: ``labels`` (the CoT teacher and the imported SFT
+sets), ``reward_train``, ``reward_merge``, ``reward_eval``, and ``judge_endpoint`` (how GRPO and
+final sampling reach the judge; see :mod:`paco.core.params` for the typing rules)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from paco.core.params.base import FloatPair, _Section
+
+
+# --------------------------------------------------------------------------------------------
+# labels (CoT targets)
+# --------------------------------------------------------------------------------------------
+
+
+class TemplateTeacherParams(_Section):
+    size: int = Field(128, ge=16, description="side (px) panels are resized to before measuring")
+
+
+class OpenAITeacherParams(_Section):
+    base_url: str | None = Field(None, description="e.g. http://127.0.0.1:8000/v1")
+    model: str | None = None
+    api_key_env: str | None = Field(None, description="NAME of the env variable holding the key")
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    retry_temperature: float = Field(0.7, ge=0.0)
+    concurrency: int = Field(4, ge=1)
+
+
+class LocalTeacherParams(_Section):
+    model_dir: str | None = None
+    batch_size: int = Field(4, ge=1)
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.7, ge=0.0)
+    seed: int = 0
+    device: str = "cpu"
+
+
+class TeacherParams(_Section):
+    """The CoT teacher (``paco.judge.teachers.make_teacher``)."""
+
+    backend: Literal["template", "openai", "local"] = "template"
+    fast: bool = Field(False, description="bare Yes./No. targets (PaCo-Reward-7B-Fast)")
+    max_reasons: int = Field(3, ge=1, le=9)
+    retries: int = Field(2, ge=0, description="re-asks after a wrong or unparsable answer; for openai also the "
+                         "client's max_retries of transport errors (its own backoff)")
+    timeout_s: float = Field(60.0, gt=0)
+    template: TemplateTeacherParams = Field(default_factory=TemplateTeacherParams)
+    openai: OpenAITeacherParams = Field(default_factory=OpenAITeacherParams)
+    local: LocalTeacherParams = Field(default_factory=LocalTeacherParams)
+
+
+class SFTImportParams(_Section):
+    """Published judge SFT sets in LLaMA-Factory's layout (``paco.judge.sft_import``): PaCo-Dataset's
+    ``sharegpt_editing_cot`` at paper scale. Their rows join ``sft.parquet`` as they are (no teacher)."""
+
+    enabled: bool = False
+    dataset_dir: str = Field("data/raw/paco_dataset", description="the folder holding dataset_info.json")
+    datasets: dict[str, Literal["t2is", "edit_pf", "edit_sc"]] = Field(
+        default_factory=lambda: {"sharegpt_editing_cot": "edit_sc"},
+        description="dataset name (in dataset_info.json) -> the question its rows ask",
+    )
+    strict: bool = Field(True, description="false: skip (and report) malformed rows")
+    max_pixels: int = Field(16_777_216, ge=1, description="refuse larger images")
+
+    @model_validator(mode="after")
+    def _some_dataset(self) -> "SFTImportParams":
+        if self.enabled and not self.datasets:
+            raise ValueError("labels.sft_import.enabled needs at least one dataset")
+        return self
+
+
+class LabelsParams(_Section):
+    seed: int = 0
+    instruction: Literal["theme", "rank"] = Field(
+        "theme", description="T2IS theme template (paper) or the theme-free ConsistencyRank template"
+    )
+    chunk_size: int = Field(64, ge=1, description="pairs per teacher call and per persisted chunk")
+    teacher: TeacherParams = Field(default_factory=TeacherParams)
+    sft_import: SFTImportParams = Field(default_factory=SFTImportParams)
+
+
+# --------------------------------------------------------------------------------------------
+# reward_train / reward_merge / reward_eval
+# --------------------------------------------------------------------------------------------
+
+
+class LoraParams(_Section):
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="module names inside the language model (vision tower and merger stay frozen)",
+    )
+
+
+class PairAugmentParams(_Section):
+    """Label-preserving augmentation of training pairs (not in the paper; off by default).
+
+    Per training row and epoch: swap image A and image B with probability ``swap`` (the
+    consistency question is symmetric), flip each image horizontally with probability
+    ``hflip``, and crop each image to a random box covering a fraction in ``crop_scale`` of its
+    area (same aspect ratio; ``[1, 1]``: no crop). Test rows are never augmented.
+    """
+
+    enabled: bool = False
+    swap: float = Field(0.5, ge=0.0, le=1.0)
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    crop_scale: FloatPair = (1.0, 1.0)
+
+    @model_validator(mode="after")
+    def _check_crop(self) -> "PairAugmentParams":
+        lo, hi = self.crop_scale
+        if not 0.0 < lo <= hi <= 1.0:
+            raise ValueError(f"crop_scale {list(self.crop_scale)} must satisfy 0 < low <= high <= 1")
+        return self
+
+
+class RewardTrainParams(_Section):
+    """LoRA SFT of the judge with the first-token-weighted loss (paper §3.1)."""
+
+    seed: int = 0
+    lora: LoraParams = Field(default_factory=LoraParams)
+    augment: PairAugmentParams = Field(default_factory=PairAugmentParams)
+    learning_rate: float = Field(2e-4, gt=0)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(8, ge=1, description="per process")
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    first_token_weight: float = Field(0.1, ge=0.0, le=1.0, description="alpha of paper §3.1")
+    loss_variant: Literal["paper", "reference"] = "paper"
+    checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
+    max_train_pairs: int | None = Field(None, ge=1, description="subsample the train split")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class RewardMergeParams(_Section):
+    check_pairs: int = Field(4, ge=1, description="pairs on which merged == unmerged P(Yes)")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class RewardEvalParams(_Section):
+    split: str = "test"
+    batch_size: int = Field(16, ge=1)
+    answer_variants: bool = Field(False, description="reference canonicalize=True: sum every token whose "
+                                  "strip().lower() text is yes / no (paco.judge.model.canonical_answer)")
+    instruction: Literal["theme", "rank"] = Field(
+        "theme", description="T2IS theme template (training layout) or the theme-free rank template"
+    )
+    baselines: list[Literal["base_zero_shot", "clip_i"]] = Field(
+        default_factory=lambda: ["base_zero_shot", "clip_i"]
+    )
+    edit_benchmark: Literal["photos", "editreward", "none"] = Field(
+        "photos", description="the judge's editing benchmark (paper Table 1): photos (the held-out photo edits of "
+        "edit_pairs.parquet, correct edit known), editreward (EditReward-Bench: its Parquet export or a jsonl), none")
+    editreward: str = Field("data/raw/editreward/bench.jsonl", description="EditReward-Bench: a directory or file of "
+                            "its Parquet export (EditScore/EditReward-Bench), or the project's jsonl layout "
+                            "(paco.judge.evaluation.read_edit_benchmark; read with edit_benchmark: editreward)")
+    edit_templates: Literal["reward", "bench"] = Field(
+        "bench", description="editing questions: bench (edit_*_bench, the EditReward-Bench evaluation's wording) or "
+        "reward (edit_sc / edit_pf, the GRPO reward's wording the judge is trained on)")
+    seed: int = 0
+
+# --------------------------------------------------------------------------------------------
+# judge serving (the consistency reward of grpo / final_samples)
+# --------------------------------------------------------------------------------------------
+
+
+class JudgeServerParams(_Section):
+    """The local CPU judge server (``python -m paco.judge.serve``), used when ``judge_endpoint.url`` is null."""
+
+    max_batch_size: int = Field(32, ge=1, description="requests per forward pass")
+    max_wait_ms: float = Field(10.0, ge=0, description="wait for more requests after the first")
+    threads: int = Field(0, ge=0, description="torch threads of the server (0: torch's default)")
+    startup_timeout_s: float = Field(180.0, gt=0)
+    device: str = Field("auto", description="auto (cuda if available) | cpu | cuda | cuda:N")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_logprobs: int = Field(20, ge=1, description="largest top_logprobs served (vLLM's --max-logprobs)")
+    batching: Literal["auto", "same_shape", "single", "dynamic"] = Field(
+        "auto", description="how concurrent requests share forward passes: single (one request per pass) "
+        "keeps every request's logprobs independent of what else is queued, bit for bit, on any device "
+        "(GRPO is reproducible); same_shape (identical encodings share an unpadded pass) is faster, and "
+        "bit-invariant only where the CPU's GEMM kernels round a row alike at any row count; dynamic pads "
+        "mixed batches (fastest, batch-dependent); auto: single")
+    max_model_len: int | None = Field(None, ge=2, description="context limit below the model's "
+                                      "max_position_embeddings (vLLM's --max-model-len); longer prompts are refused")
+
+
+class JudgeEndpointParams(_Section):
+    """How PaCo-GRPO reaches the PaCo-Reward judge (OpenAI-compatible, see ``paco.judge.serve``).
+
+    ``url: null`` starts ``python -m paco.judge.serve`` on the ``reward_merge`` model on a free
+    localhost port for the stage's lifetime; a URL (``http://host:8000/v1`` of ``vllm serve
+    <merged judge> --served-model-name <served_model_name>``) uses that server instead.
+    """
+
+    url: str | None = None
+    served_model_name: str = "paco-reward"
+    api_key_env: str | None = Field(None, description="NAME of the env variable holding the key")
+    instruction: Literal["theme", "rank"] = Field(
+        "theme", description="T2IS theme template (paper) or the theme-free template (as the judge was trained)"
+    )
+    answer_variants: bool = Field(False, description="reference canonicalize=True: sum every top token whose "
+                                  "strip().lower() text is yes / no (paco.judge.client.yes_probability)")
+    concurrency: int = Field(16, ge=1, description="requests in flight")
+    timeout_s: float = Field(60.0, gt=0)
+    retries: int = Field(3, ge=0, description="the openai client's max_retries (its own backoff: 0.5 s "
+                         "doubling to 8 s, with jitter, or the server's Retry-After)")
+    top_logprobs: int = Field(20, ge=1, description="first tokens asked for; at most the server's --max-logprobs "
+                              "(vLLM and paco.judge.serve default 20)")
+    server: JudgeServerParams = Field(default_factory=JudgeServerParams)
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> "JudgeEndpointParams":
+        if self.url is None and self.top_logprobs > self.server.max_logprobs:
+            raise ValueError(f"top_logprobs {self.top_logprobs} exceeds server.max_logprobs "
+                             f"{self.server.max_logprobs}: the local judge server would refuse every request")
+        return self
