@@ -30,7 +30,7 @@ JUDGES = (("paco_reward", "PaCo-Reward (trained)"), ("base_zero_shot", "base jud
 #: ``reward_eval`` editing benchmark questions, in table order
 EDIT_QUESTIONS = ("consistency", "prompt_following", "overall")
 #: the stages whose ``report.json`` holds ``run.wall_seconds`` and ``run.peak_rss_mb``, in DAG order
-STAGE_ORDER = ("models", "prompts", "edits", "composites", "subfigures", "pairs", "labels", "reward_train",
+STAGE_ORDER = ("models", "prompts", "edits", "composites", "subfigures", "pairs", "reasons", "reward_train",
                "reward_merge", "reward_eval", "grpo", "final_samples")
 
 

@@ -3,7 +3,7 @@
 Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
 
     accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 \\
-        -m stages.reward_train --params params.yaml --sft data/labels/sft.parquet \\
+        -m stages.reward_train --params params.yaml --sft data/reasons/sft.parquet \\
         --base data/models/judge_base --adapter data/reward_train/adapter \\
         --checkpoints data/reward_train/checkpoints --plots data/reward_train/plots \\
         --metrics data/reward_train/metrics.json
@@ -28,7 +28,7 @@ from paco.core.stage import StageOutput, log, run
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sft", type=Path, required=True, help="sft.parquet (labels stage)")
+    p.add_argument("--sft", type=Path, required=True, help="sft.parquet (reasons stage)")
     p.add_argument("--base", type=Path, required=True, help="base judge directory (models stage)")
     p.add_argument("--adapter", type=Path, required=True, help="PEFT adapter directory to write")
     p.add_argument("--checkpoints", type=Path, required=True, help="resumable checkpoints directory")

@@ -49,7 +49,7 @@ def data_stages_clone(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("data_stages") / "repo"
     subprocess.run(["git", "clone", "-q", str(root), str(repo)], check=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.run([sys.executable, "-m", "dvc", "repro", "labels", "models"], cwd=repo, env=env,
+    proc = subprocess.run([sys.executable, "-m", "dvc", "repro", "reasons", "models"], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return repo

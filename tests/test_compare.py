@@ -88,7 +88,7 @@ PARAMS = {
     "grpo": {"t2is": {"seed": 0, "rewards": {"a": 1.0, "b": 0.5}, "aggregation": {"method": "log_tame", "delta": 0.2},
                       "train": {"resolution": 32}, "eval": {"resolution": 64}}},
     "reward_train": {"first_token_weight": 1.0},
-    "labels": {"teacher": {"fast": True}},
+    "reasons": {"teacher": {"fast": True}},
     "drop_eval_reward": False,
 }
 
@@ -150,10 +150,10 @@ def test_queue_commands_and_dry_run(tmp_path, capsys):
          "final_samples@t2is"],
         ["dvc", "exp", "run", "--queue", "-n", "first_token_weight", "-S", "reward_train.first_token_weight=0.1",
          "reward_eval"],
-        ["dvc", "exp", "run", "--queue", "-n", "cot", "-S", "labels.teacher.fast=false", "reward_eval"],
+        ["dvc", "exp", "run", "--queue", "-n", "cot", "-S", "reasons.teacher.fast=false", "reward_eval"],
     ]
     assert queue_commands(["cot"], PARAMS, targets=[]) == [
-        ["dvc", "exp", "run", "--queue", "-n", "cot", "-S", "labels.teacher.fast=false"]]
+        ["dvc", "exp", "run", "--queue", "-n", "cot", "-S", "reasons.teacher.fast=false"]]
     with pytest.raises(CompareError, match="unknown ablation 'typo'"):
         queue_commands(["typo"], PARAMS)
     with pytest.raises(MissingMetricError, match="grpo.edit.eval.resolution"):

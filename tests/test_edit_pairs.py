@@ -9,7 +9,7 @@ import pytest
 from paco.core.io import decode_image
 from paco.data.edit_pairs import EDIT_PAIR_COLUMNS, PAIR_LABELS, make_edit_pairs
 from paco.data.edits import photo_edits
-from paco.judge.labels import join_edit_pairs
+from paco.judge.reasons import join_edit_pairs
 from paco.core.templates import get_template
 
 

@@ -108,7 +108,7 @@ def _set(raw: dict, path: tuple, value) -> dict:
          "grpo.t2is.rollout.sigma_max: Input should be a valid number, or Input should be 'schedule' (got True)"),
         (("grpo", "t2is", "rollout", "sigma_max"), 1.0, "grpo.t2is.rollout.sigma_max: Input should be less than 1"),
         (("grpo", "t2is", "rollout", "sigma_max"), "0.98", "grpo.t2is.rollout.sigma_max"),
-        (("labels", "teacher", "fast"), 1, "labels.teacher.fast: Input should be a valid boolean"),
+        (("reasons", "teacher", "fast"), 1, "reasons.teacher.fast: Input should be a valid boolean"),
         (("pairs", "annotations"), 3, "pairs.annotations: Input should be a valid string (got 3)"),
     ],
 )

@@ -99,7 +99,7 @@ def test_dvc_repro_runs_every_stage(dvc_repo):
     assert set(pairs["per_split"]) == {"train", "test"}
     sub = report(repo, "subfigures")
     assert sub["bbox_iou"]["mean"] > 0.95
-    for name in ("models", "prompts", "composites", "subfigures", "pairs", "labels"):
+    for name in ("models", "prompts", "composites", "subfigures", "pairs", "reasons"):
         run = report(repo, name)["run"]
         assert run["peak_rss_mb"] < 4096, (name, run)
     for name in ("grpo/t2is", "final_samples/t2is"):
@@ -407,7 +407,7 @@ def test_the_hosts_numeric_paths_do_not_change_the_bytes(tmp_path):
         pytest.skip("not an x86-64 CPU with AVX2: the CPU paths are left to the libraries")
     bare = _run_on_path(tmp_path / "bare", {}, "reward_train")
     avx2 = _run_on_path(tmp_path / "avx2", cpu_isa_env(), "reward_train")
-    assert "data/reward_train/adapter/adapter_model.safetensors" in bare and "data/labels/sft.parquet" in bare
+    assert "data/reward_train/adapter/adapter_model.safetensors" in bare and "data/reasons/sft.parquet" in bare
     assert sorted(bare) == sorted(avx2)
     assert [k for k in bare if bare[k] != avx2[k]] == []
     if _host_has_avx512():

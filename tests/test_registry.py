@@ -51,7 +51,7 @@ def test_code_deps_are_the_import_closure():
     # seeding lives apart from the photo renderer: editing photos does not rerun GRPO
     assert not {"paco/data/photos.py", "paco/data/composites.py", "paco/judge/teachers/template.py"} & grpo
     assert "paco/judge/serve/batching.py" not in registry.by_name("reward_train").code
-    assert "paco/judge/teachers/template.py" in registry.by_name("labels").code
+    assert "paco/judge/teachers/template.py" in registry.by_name("reasons").code
     # lazily exported names: paco.models' _EXPORTS maps load_judge to paco/models/loading.py
     assert "paco/models/loading.py" in registry.by_name("reward_eval").code
     for stage in registry.STAGES:

@@ -74,7 +74,7 @@ def _view(rng: np.random.Generator, arr: np.ndarray, size: int) -> Image.Image:
 
 
 def make_sft_table(n_train: int, n_test: int, *, seed: int = 0, size: int = 64) -> pd.DataFrame:
-    """A balanced synthetic ``sft.parquet`` table (columns as the labels stage writes them)."""
+    """A balanced synthetic ``sft.parquet`` table (columns as the reasons stage writes them)."""
     rng = np.random.default_rng(seed)
     rows = []
     for split, n in (("train", n_train), ("test", n_test)):

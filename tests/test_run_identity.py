@@ -178,7 +178,7 @@ def test_params_identity_needs_every_declared_section():
 def test_registry_members_for_the_identity():
     """The registry gives the member (the run identity imports nothing of ``workflow``): a foreach
     member without its section in the config gets a one-member config, enough for its params
-    keys; a dep read only under a continuable key (labels' imported SFT folder) is no identity
+    keys; a dep read only under a continuable key (reasons' imported SFT folder) is no identity
     dep."""
     m = registry.member("grpo@test")
     assert (m.dvc_name, m.key, m.resolve("grpo.${key}.epochs", {})) == ("grpo@test", "test", "grpo.test.epochs")
@@ -189,12 +189,12 @@ def test_registry_members_for_the_identity():
     from paco.core.params import validate_params
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    raw["labels"]["sft_import"]["enabled"] = True
+    raw["reasons"]["sft_import"]["enabled"] = True
     tree = validate_params(raw).model_dump(mode="json", by_alias=True)
-    labels = registry.member("labels", tree)
-    folder = tree["labels"]["sft_import"]["dataset_dir"]
-    assert folder in labels.deps(tree) and folder not in labels.identity_deps(tree)
-    assert labels.identity_deps(tree) == [d for d in labels.deps(tree) if d != folder]
+    reasons = registry.member("reasons", tree)
+    folder = tree["reasons"]["sft_import"]["dataset_dir"]
+    assert folder in reasons.deps(tree) and folder not in reasons.identity_deps(tree)
+    assert reasons.identity_deps(tree) == [d for d in reasons.deps(tree) if d != folder]
 
 
 def _write_checkpoint(d: Path, name: str, identity: RunIdentity, **extra) -> Path:

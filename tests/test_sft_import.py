@@ -1,5 +1,5 @@
 """Published judge SFT sets in LLaMA-Factory's layout (PaCo-Dataset): paco.judge.sft_import and the
-labels stage's ``sft_import``."""
+reasons stage's ``sft_import``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from paco.core.io import encode_image, read_parquet, write_parquet
-from paco.judge.labels import SFT_COLUMNS
+from paco.judge.reasons import SFT_COLUMNS
 from paco.judge.sft_import import SFTImportError, import_sft
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,11 +162,11 @@ def test_an_image_over_max_pixels_is_refused(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# the labels stage
+# the reasons stage
 # --------------------------------------------------------------------------------------------
 
 
-def _labels(tmp: Path, params: dict, out: Path) -> dict:
+def _reasons(tmp: Path, params: dict, out: Path) -> dict:
     from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
 
     rng = np.random.default_rng(0)
@@ -180,7 +180,7 @@ def _labels(tmp: Path, params: dict, out: Path) -> dict:
     write_parquet(tmp / "prompts.parquet", pd.DataFrame({"prompt_id": ["a"], "global_prompt": ["A fox"]}))
     write_parquet(tmp / "edit_pairs.parquet", pd.DataFrame({c: [] for c in EDIT_PAIR_COLUMNS}))
     (tmp / "params.yaml").write_text(json.dumps(params))
-    cmd = [sys.executable, "-m", "stages.labels", "--params", str(tmp / "params.yaml"),
+    cmd = [sys.executable, "-m", "stages.reasons", "--params", str(tmp / "params.yaml"),
            "--pairs", str(tmp / "pairs.parquet"), "--panels", str(tmp / "panels.parquet"),
            "--prompts", str(tmp / "prompts.parquet"), "--edit-pairs", str(tmp / "edit_pairs.parquet"),
            "--sft-import", str(tmp / "llamafactory"), "--progress", str(out / "progress"),
@@ -191,17 +191,17 @@ def _labels(tmp: Path, params: dict, out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
-def test_the_labels_stage_joins_the_imported_rows_and_keeps_its_progress(tmp_path):
+def test_the_reasons_stage_joins_the_imported_rows_and_keeps_its_progress(tmp_path):
     llamafactory_dir(tmp_path)
-    base = {"labels": {"chunk_size": 2, "teacher": {"backend": "template", "template": {"size": 32}}}}
+    base = {"reasons": {"chunk_size": 2, "teacher": {"backend": "template", "template": {"size": 32}}}}
     out = tmp_path / "out"
-    report = _labels(tmp_path, base, out)
+    report = _reasons(tmp_path, base, out)
     assert report["pairs"] == 3 and report["imported"] == {} and report["resumed_chunks"] == 0
     alone = read_parquet(out / "sft.parquet")
 
-    with_import = {"labels": {**base["labels"], "sft_import": {
+    with_import = {"reasons": {**base["reasons"], "sft_import": {
         "enabled": True, "datasets": {"sharegpt_editing_cot": "edit_sc", "t2is_alpaca": "t2is"}}}}
-    report = _labels(tmp_path, with_import, out)
+    report = _reasons(tmp_path, with_import, out)
     # the teacher's chunks are reused: the imported sets are not part of their identity
     assert report["resumed_chunks"] == 2, report
     assert report["imported"] == {"sharegpt_editing_cot": 2, "t2is_alpaca": 1} and report["pairs"] == 6
@@ -217,6 +217,6 @@ def test_params_refuse_an_enabled_import_without_datasets(tmp_path):
     from paco.core.params import ParamsError, load_params
 
     path = tmp_path / "params.yaml"
-    path.write_text(json.dumps({"labels": {"sft_import": {"enabled": True, "datasets": {}}}}))
+    path.write_text(json.dumps({"reasons": {"sft_import": {"enabled": True, "datasets": {}}}}))
     with pytest.raises(ParamsError, match="at least one dataset"):
         load_params(path)

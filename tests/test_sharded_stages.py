@@ -1,7 +1,7 @@
 """Stages that shard their work over ``accelerate launch`` processes write the same bytes with 1
 and 2 processes (gloo on CPU): ``composites`` (source ``generate``), ``reward_merge`` and
 ``reward_eval`` here, on the embedded default's real ranking
-instances and photo edits (``labels``: tests/test_labels.py; ``reward_train``, ``grpo``: their
+instances and photo edits (``reasons``: tests/test_reasons.py; ``reward_train``, ``grpo``: their
 own tests).
 """
 

@@ -25,9 +25,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-#: the stages run on the cluster, up to the SFT table (labels runs as 2 accelerate processes)
-TARGETS = ["data/labels/sft.parquet", "data/models/metrics.json"]
-RULES = {"models", "prompts", "edits", "composites", "subfigures", "pairs", "labels"}
+#: the stages run on the cluster, up to the SFT table (reasons runs as 2 accelerate processes)
+TARGETS = ["data/reasons/sft.parquet", "data/models/metrics.json"]
+RULES = {"models", "prompts", "edits", "composites", "subfigures", "pairs", "reasons"}
 #: byte-compared with `dvc repro`'s
 ARTIFACTS = [
     "data/prompts/prompts.parquet",
@@ -37,7 +37,7 @@ ARTIFACTS = [
     "data/pairs/rank_instances.parquet",
     "data/pairs/pairs.parquet",
     "data/pairs/edit_pairs.parquet",
-    "data/labels/sft.parquet",
+    "data/reasons/sft.parquet",
 ]
 #: the first status query 1 s after a submission, not the profiles' 10 s (slurm plugin; it then
 #: backs off by 10 s per query that finds nothing finished), and one query a second, not every
@@ -141,13 +141,13 @@ def _finish(proc: subprocess.Popen, t0: float, what: str, timeout: int) -> tuple
 @pytest.fixture(scope="module")
 def profile_runs(cluster, tmp_path_factory) -> dict[str, tuple[Path, int, str, float]]:
     """The DAG up to the SFT table through both profiles at once, in two fresh clones, with
-    ``labels`` as 2 accelerate processes: profile -> (clone, exit code, output, seconds)."""
+    ``reasons`` as 2 accelerate processes: profile -> (clone, exit code, output, seconds)."""
     started = {}
     for profile in ("slurm", "sbatch"):
         repo = _clone(tmp_path_factory.mktemp(f"profile-{profile}"), "repo")
         # every job on 1 CPU (two at once on the 2-CPU node: the two profiles' runs share it),
-        # labels as 2 accelerate processes in its job
-        _set_resources(repo, every_stage={"cpus_per_task": 1}, labels={"processes": 2})
+        # reasons as 2 accelerate processes in its job
+        _set_resources(repo, every_stage={"cpus_per_task": 1}, reasons={"processes": 2})
         args = [sys.executable, "-m", "snakemake", *TARGETS, "--profile", f"workflow/profiles/{profile}",
                 *FAST_STATUS_CHECKS[profile]]
         started[profile] = (repo, *_start(args, repo))
@@ -173,11 +173,11 @@ def test_profile_runs_every_job_through_sbatch_with_dvc_identical_outputs(profil
     # each job got the CPUs its stage asked for (resources: cpus_per_task 1 here, 2 by default)
     assert all(j["AllocCPUS"] == "1" for j in jobs), jobs
 
-    # labels ran as 2 accelerate processes inside its one SLURM job
-    labels_job = next(j for j, r in zip(jobs, rules) if r == "labels")
-    run = json.loads((repo / "data/labels/report.json").read_text())["run"]
+    # reasons ran as 2 accelerate processes inside its one SLURM job
+    reasons_job = next(j for j, r in zip(jobs, rules) if r == "reasons")
+    run = json.loads((repo / "data/reasons/report.json").read_text())["run"]
     assert run["processes"] == 2, run
-    assert run["slurm"] == {"job_id": labels_job["JobID"], "node": run["slurm"]["node"], "cpus_per_task": 1}, run
+    assert run["slurm"] == {"job_id": reasons_job["JobID"], "node": run["slurm"]["node"], "cpus_per_task": 1}, run
 
     # job logs are kept (the slurm plugin deletes successful jobs' logs unless told otherwise)
     for rule in RULES:

@@ -264,7 +264,7 @@ class Member:
     def identity_deps(self, config: Mapping[str, Any]) -> list[str]:
         """The data dependencies its run identity hashes (:func:`paco.core.run_identity.stage_identity`):
         :meth:`deps` under ``config`` (the validated params), except a path a :class:`Dep` reads only
-        under a :attr:`Stage.continuable` key (``labels.sft_import``'s folder, which joins the table
+        under a :attr:`Stage.continuable` key (``reasons.sft_import``'s folder, which joins the table
         after the persisted teacher chunks)."""
         continuable = [self.resolve(k, {}) for k in self.stage.continuable]
         gated = {self.resolve(d.path, config) for d in self.stage.deps

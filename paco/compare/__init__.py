@@ -28,7 +28,7 @@ name                   what differs from the baseline                           
                        default: log-tame, eq. 2-4)                                    Fig. 6
 ``first_token_weight`` ``reward_train.first_token_weight=0.1`` (paper §3.1 alpha;     Table 2
                        the default weighs the first token like the others)
-``cot``                ``labels.teacher.fast=false`` (CoT reasons in the targets; the   Table 2
+``cot``                ``reasons.teacher.fast=false`` (CoT reasons in the targets; the   Table 2
                        default trains on bare "Yes."/"No.")
 =====================  ============================================================  =========
 

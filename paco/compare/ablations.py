@@ -51,8 +51,8 @@ def _first_token_weight(params: Mapping[str, Any], subtask: str) -> dict[str, An
 
 
 def _cot(params: Mapping[str, Any], subtask: str) -> dict[str, Any]:
-    _get(params, "labels.teacher.fast")
-    return {"labels.teacher.fast": False}
+    _get(params, "reasons.teacher.fast")
+    return {"reasons.teacher.fast": False}
 
 
 ABLATIONS: dict[str, Ablation] = {

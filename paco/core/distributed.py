@@ -1,6 +1,6 @@
 """The processes a stage runs as: rank, world size, ownership of work units, a barrier.
 
-A stage with work to shard (``labels``, ``reward_eval``; ``reward_train``, ``grpo`` and
+A stage with work to shard (``reasons``, ``reward_eval``; ``reward_train``, ``grpo`` and
 ``final_samples`` use their ``Accelerator``) is started by the registry's ``accelerate launch`` with the stage's
 ``resources.processes``. Each process takes the work units it owns (unit ``n`` belongs to rank
 ``n % world``: a fixed assignment, so the result of each unit does not depend on how many

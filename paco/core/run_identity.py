@@ -4,13 +4,13 @@ caller looks its member up there and passes it in: :class:`StageMember`).
 
 A cached stage is a promise: what ``dvc repro`` (or Snakemake) leaves after any change equals what
 a fresh run computes with the same inputs. Outputs are rewritten by every run, but a stage with
-persisted state (``reward_train``'s and ``grpo@<subtask>``'s checkpoints, ``labels``' progress)
+persisted state (``reward_train``'s and ``grpo@<subtask>``'s checkpoints, ``reasons``' progress)
 would otherwise resume work done under other inputs. So every such stage computes its identity
 from exactly the declarations that make DVC rerun it:
 
 * ``dep:<path>``: sha256 of each data dependency the stage reads under its params (a file's
   bytes; a directory's sorted relative file names and bytes; ``absent`` if it does not exist),
-  except one read only under a ``continuable`` key (below: ``labels.sft_import``'s folder, which
+  except one read only under a ``continuable`` key (below: ``reasons.sft_import``'s folder, which
   joins the table after the persisted teacher chunks);
 * ``code:<path>``: sha256 of each declared code file (the stage's import closure);
 * ``params:<key>``: sha256 of each declared params section after validation (defaults filled in,

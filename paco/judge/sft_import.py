@@ -20,7 +20,7 @@ any such set as LLaMA-Factory does (its ``data/README.md``):
 * The assistant turn is the SFT target as it is (``Yes. <reason>...</reason>``); its first word
   gives the ``label`` (:func:`paco.judge.response.parse_response`).
 
-Each imported row becomes an SFT row (:data:`paco.judge.labels.SFT_COLUMNS`) of the training
+Each imported row becomes an SFT row (:data:`paco.judge.reasons.SFT_COLUMNS`) of the training
 split with ``teacher`` ``import:<dataset>``, ``task`` as the params say for that dataset
 (``t2is``, ``edit_pf`` or ``edit_sc``; :mod:`paco.judge.sft_data` never augments editing rows) and
 ``pair_id`` ``import-<dataset>-<row:06d>``. A malformed row is an :class:`SFTImportError` naming
@@ -237,7 +237,7 @@ def import_sft(dataset_dir: str | Path, datasets: Mapping[str, str], *, strict: 
             remote-only, ranking or unknown-format dataset, an unknown task, a missing file, a
             malformed row (``strict``), or a dataset with no importable row.
     """
-    from paco.judge.labels import SFT_COLUMNS
+    from paco.judge.reasons import SFT_COLUMNS
 
     dataset_dir = Path(dataset_dir)
     info = _dataset_info(dataset_dir)

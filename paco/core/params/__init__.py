@@ -41,7 +41,7 @@ from paco.core.params.data import (CompositesParams, EditImportParams, EditPhoto
 from paco.core.params.grpo import (AggregationParams, Dataset, EmaParams, FinalSamplesParams, GrpoEvalParams,
                                    GrpoSubtaskParams, GrpoTrainParams, PolicyFamily, PolicyLoraParams, RolloutParams,
                                    SubtaskResources)
-from paco.core.params.judge import (JudgeEndpointParams, JudgeServerParams, LabelsParams, LocalTeacherParams,
+from paco.core.params.judge import (JudgeEndpointParams, JudgeServerParams, ReasonsParams, LocalTeacherParams,
                                     LoraParams, OpenAITeacherParams, PairAugmentParams, RewardEvalParams,
                                     RewardMergeParams, RewardTrainParams, SFTImportParams, TeacherParams,
                                     TemplateTeacherParams)
@@ -51,7 +51,7 @@ from paco.core.params.schema import Params, load_params, validate_params
 __all__ = [
     "AggregationParams", "CompositesParams", "Dataset", "EditImportParams", "EditPhotosParams", "EditsParams",
     "EmaParams", "FinalSamplesParams", "FloatPair", "GenerateParams", "GrpoEvalParams", "GrpoSubtaskParams",
-    "GrpoTrainParams", "ImportParams", "IntPair", "JudgeEndpointParams", "JudgeServerParams", "LabelsParams",
+    "GrpoTrainParams", "ImportParams", "IntPair", "JudgeEndpointParams", "JudgeServerParams", "ReasonsParams",
     "LocalTeacherParams", "LoraParams", "ModelsParams", "OpenAITeacherParams", "PairAugmentParams", "PairsParams",
     "Params", "ParamsError", "PhotosParams", "PolicyFamily", "PolicyLoraParams", "PromptsParams", "ResourcesParams",
     "RewardEvalParams", "RewardMergeParams", "RewardTrainParams", "RolloutParams", "SFTImportParams", "StageResources",

@@ -1,4 +1,4 @@
-"""The params sections of the judge stages: ``labels`` (the CoT teacher and the imported SFT
+"""The params sections of the judge stages: ``reasons`` (the CoT teacher and the imported SFT
 sets), ``reward_train``, ``reward_merge``, ``reward_eval``, and ``judge_endpoint`` (how GRPO and
 final sampling reach the judge; see :mod:`paco.core.params` for the typing rules)."""
 
@@ -69,11 +69,11 @@ class SFTImportParams(_Section):
     @model_validator(mode="after")
     def _some_dataset(self) -> "SFTImportParams":
         if self.enabled and not self.datasets:
-            raise ValueError("labels.sft_import.enabled needs at least one dataset")
+            raise ValueError("reasons.sft_import.enabled needs at least one dataset")
         return self
 
 
-class LabelsParams(_Section):
+class ReasonsParams(_Section):
     seed: int = 0
     instruction: Literal["theme", "rank"] = Field(
         "theme", description="T2IS theme template (paper) or the theme-free ConsistencyRank template"

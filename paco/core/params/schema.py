@@ -12,7 +12,7 @@ from paco.core.params.base import ParamsError, _format_errors, _Section, read_pa
 from paco.core.params.data import (CompositesParams, EditsParams, ModelsParams, PairsParams, PromptsParams,
                                    SubfiguresParams)
 from paco.core.params.grpo import FinalSamplesParams, GrpoSubtaskParams
-from paco.core.params.judge import (JudgeEndpointParams, LabelsParams, RewardEvalParams, RewardMergeParams,
+from paco.core.params.judge import (JudgeEndpointParams, ReasonsParams, RewardEvalParams, RewardMergeParams,
                                     RewardTrainParams)
 from paco.core.params.resources import ResourcesParams
 
@@ -24,7 +24,7 @@ class Params(_Section):
     composites: CompositesParams = Field(default_factory=CompositesParams)
     subfigures: SubfiguresParams = Field(default_factory=SubfiguresParams)
     pairs: PairsParams = Field(default_factory=PairsParams)
-    labels: LabelsParams = Field(default_factory=LabelsParams)
+    reasons: ReasonsParams = Field(default_factory=ReasonsParams)
     reward_train: RewardTrainParams = Field(default_factory=RewardTrainParams)
     reward_merge: RewardMergeParams = Field(default_factory=RewardMergeParams)
     reward_eval: RewardEvalParams = Field(default_factory=RewardEvalParams)

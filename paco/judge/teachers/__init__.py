@@ -1,11 +1,11 @@
 """Chain-of-thought label teachers: justify a KNOWN pair label with 1-3 numbered reasons.
 
-The ``labels`` stage turns each pair ``(image A, image B, label)`` into an SFT example whose
+The ``reasons`` stage turns each pair ``(image A, image B, label)`` into an SFT example whose
 target is ``"Yes. <reason>1. ... 2. ...</reason>"`` (:func:`paco.judge.response.format_response`).
 The paper (§3.1) has GPT-5 write those reasons for human labels; here the reason writer is a
 backend behind one interface::
 
-    teacher = make_teacher(params["labels"]["teacher"])
+    teacher = make_teacher(params["reasons"]["teacher"])
     results = teacher.explain([PairItem(pair_id, image_a, image_b, label, theme), ...])
 
 Backends:
@@ -26,7 +26,7 @@ A label is never changed: a teacher response that does not start with the expect
 retried and then recorded as failed (``ok=False`` with the reason in ``error``); every input item
 gets exactly one :class:`TeacherResult`, in input order.
 
-Params (the ``labels.teacher`` section, :class:`paco.core.params.TeacherParams`; :func:`make_teacher`)::
+Params (the ``reasons.teacher`` section, :class:`paco.core.params.TeacherParams`; :func:`make_teacher`)::
 
     backend: template          # template | openai | local
     fast: false                # bare "Yes."/"No." targets, no teacher call
@@ -70,7 +70,7 @@ __all__ = ["make_teacher"]
 
 
 def make_teacher(cfg: Any = None, **overrides: Any) -> Teacher:
-    """Build a teacher from the ``labels.teacher`` params section.
+    """Build a teacher from the ``reasons.teacher`` params section.
 
     Args:
         cfg: a :class:`paco.core.params.TeacherParams`, or a mapping validated by it (missing keys take

@@ -1,18 +1,18 @@
-"""Stage ``labels``: chain-of-thought SFT targets for every pair -> ``sft.parquet``.
+"""Stage ``reasons``: chain-of-thought SFT targets for every pair -> ``sft.parquet``.
 
 The pairs: the T2IS pairs (``pairs.parquet`` with their panels) and the editing pairs
-(``edit_pairs.parquet``, each with its own question). With ``labels.sft_import.enabled``, published
+(``edit_pairs.parquet``, each with its own question). With ``reasons.sft_import.enabled``, published
 SFT sets in LLaMA-Factory's layout (PaCo-Dataset's ``sharegpt_editing_cot``:
 :mod:`paco.judge.sft_import`) join the table as they are.
 
-A teacher (``labels.teacher.backend``: ``template`` offline measurements, ``openai`` any
+A teacher (``reasons.teacher.backend``: ``template`` offline measurements, ``openai`` any
 OpenAI-compatible endpoint, ``local`` a transformers VLM) justifies each pair's known label in
 1-3 numbered reasons; targets are ``Yes. <reason>...</reason>`` / ``No. ...`` (or bare
 ``Yes.``/``No.`` with ``fast``). Resumable: finished chunks persist in ``--progress``; a corrupt
 chunk is discarded with a warning naming it, labelled again and listed in the metrics
 (``discarded_chunks``).
 
-Multi-process (``accelerate launch`` with ``resources.stages.labels.processes``): chunk ``n`` is
+Multi-process (``accelerate launch`` with ``resources.stages.reasons.processes``): chunk ``n`` is
 labelled by process ``n % processes``; the main process checks the progress directory first and
 assembles ``sft.parquet`` from the chunks after everyone is done, so the table is byte-identical
 for any process count (and a resumed run may use another count).
@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from paco.judge import labels as L
+from paco.judge import reasons as R
 from paco.core.io import ArtifactError, read_parquet, write_parquet
 from paco.core.distributed import launched_processes
 from paco.core.params import Params
@@ -41,7 +41,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", type=Path, required=True, help="persisted per-chunk results (resume)")
     p.add_argument("--edit-pairs", type=Path, required=True, help="edit_pairs.parquet (pairs stage; may be empty)")
     p.add_argument("--sft-import", type=Path, required=True,
-                   help="LLaMA-Factory dataset_dir of published SFT sets (read with labels.sft_import.enabled)")
+                   help="LLaMA-Factory dataset_dir of published SFT sets (read with reasons.sft_import.enabled)")
     p.add_argument("--out", type=Path, required=True, help="sft.parquet to write")
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
@@ -51,42 +51,42 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     from workflow.registry import member
     from paco.judge.teachers import make_teacher
 
-    cfg = params.labels
+    cfg = params.reasons
     seed_everything(cfg.seed)
     teacher = make_teacher(cfg.teacher.model_dump())
     pairs = read_parquet(args.pairs, required=["pair_id", "instance_id", "prompt_id", "split", "panel_a", "panel_b", "label"])
     panels = read_parquet(args.panels, required=["panel_id", "image"])
     prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
-    # labels.sft_import is continuable (its folder is not in the identity either): the imported
+    # reasons.sft_import is continuable (its folder is not in the identity either): the imported
     # sets join after the teacher's chunks, so an import change keeps the labelling progress
-    identity = stage_identity(member("labels"), args.params, params=params, args=args)
+    identity = stage_identity(member("reasons"), args.params, params=params, args=args)
     from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
 
     edit_pairs = read_parquet(args.edit_pairs, required=EDIT_PAIR_COLUMNS)
-    table = pd.concat([L.join_pairs(pairs, panels, prompts, instruction=cfg.instruction),
-                       L.join_edit_pairs(edit_pairs)], ignore_index=True).sort_values("pair_id", ignore_index=True)
+    table = pd.concat([R.join_pairs(pairs, panels, prompts, instruction=cfg.instruction),
+                       R.join_edit_pairs(edit_pairs)], ignore_index=True).sort_values("pair_id", ignore_index=True)
     if len(table) == 0:
         raise ArtifactError("no pairs to label")
     procs = launched_processes()
     resumed, discarded = 0, []
     if procs.is_main:  # one process clears or checks the persisted chunks before anyone labels
-        resumed = L.prepare_progress(args.progress, identity.digest)
-        discarded = L.discard_invalid_chunks(table, args.progress, chunk_size=cfg.chunk_size)
+        resumed = R.prepare_progress(args.progress, identity.digest)
+        discarded = R.discard_invalid_chunks(table, args.progress, chunk_size=cfg.chunk_size)
         resumed -= len(discarded)
         if resumed:
             log.info("resuming: %d chunks already labelled (run identity %s)", resumed, identity.digest[:12])
     procs.barrier()
-    labelled = L.label_chunks(
+    labelled = R.label_chunks(
         table, teacher, args.progress, chunk_size=cfg.chunk_size, owns=procs.owns,
-        progress=lambda it: tqdm(it, desc=f"labels (process {procs.rank + 1}/{procs.world})" if procs.world > 1
-                                 else "labels", unit="chunk", position=procs.rank),
+        progress=lambda it: tqdm(it, desc=f"reasons (process {procs.rank + 1}/{procs.world})" if procs.world > 1
+                                 else "reasons", unit="chunk", position=procs.rank),
     )
     log.info("process %d/%d labelled %d chunks", procs.rank + 1, procs.world, labelled)
     procs.barrier()
     if not procs.is_main:
         args.metrics = None  # the main process writes the table and the metrics
         return StageOutput({})
-    sft = L.assemble_sft(table, teacher, args.progress, chunk_size=cfg.chunk_size)
+    sft = R.assemble_sft(table, teacher, args.progress, chunk_size=cfg.chunk_size)
     imported = None
     if cfg.sft_import.enabled:
         from paco.judge.sft_import import import_sft
@@ -96,7 +96,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         log.info("imported %s from %s (%d rows skipped)", imported.rows, args.sft_import, len(imported.skipped))
         sft = pd.concat([sft, imported.table], ignore_index=True).sort_values("pair_id", ignore_index=True)
     write_parquet(args.out, sft, image_columns=["image_a", "image_b"])
-    metrics = L.summarise(sft)
+    metrics = R.summarise(sft)
     metrics["imported"] = imported.rows if imported else {}
     metrics["import_skipped"] = len(imported.skipped) if imported else 0
     metrics["import_skipped_rows"] = imported.skipped[:50] if imported else []
@@ -108,7 +108,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run("labels", argv, _args, _body, description=__doc__.splitlines()[0])
+    return run("reasons", argv, _args, _body, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

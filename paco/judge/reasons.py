@@ -8,7 +8,7 @@ pair (:mod:`paco.data.edit_pairs`) carries its own question (``edit_pf`` / ``edi
 edit instruction). The ``task`` column says which (``t2is``, ``edit_pf``, ``edit_sc``).
 
 Progress is persisted per chunk of pairs under a progress directory, tagged with the stage's run
-identity (:mod:`paco.core.run_identity`: the ``labels`` params, the pair, panel and prompt tables, the
+identity (:mod:`paco.core.run_identity`: the ``reasons`` params, the pair, panel and prompt tables, the
 code the stage runs): an interrupted run resumes with the chunks it finished; any change starts
 over. A chunk file that cannot be read, or does not hold exactly its chunk's pairs, is discarded
 with a warning naming it and labelled again; an unreadable identity marker clears the directory. Failed
@@ -38,7 +38,7 @@ SFT_COLUMNS = [
 _RESULT_COLUMNS = ["pair_id", "reasons", "response", "status", "error", "attempts"]
 _STATUSES = frozenset({"ok", "failed"})
 
-log = logging.getLogger("paco.judge.labels")
+log = logging.getLogger("paco.judge.reasons")
 
 
 def prepare_progress(progress_dir: Path, identity: str) -> int:
@@ -60,7 +60,7 @@ def prepare_progress(progress_dir: Path, identity: str) -> int:
                 log.warning("%s is unreadable (%s): discarding the persisted progress", marker, exc)
         if old != identity:
             if old is not None:
-                log.info("labels progress was written under another run identity: starting over")
+                log.info("reasons progress was written under another run identity: starting over")
             shutil.rmtree(progress_dir)
     progress_dir.mkdir(parents=True, exist_ok=True)
     write_json(marker, {"identity": identity})

@@ -1,4 +1,4 @@
-"""labels: instruction/theme join, resumable chunks, failures kept and counted."""
+"""reasons: instruction/theme join, resumable chunks, failures kept and counted."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from paco.judge import labels as L
+from paco.judge import reasons as R
 from paco.core.io import ArtifactError, encode_image, write_parquet
 from paco.judge.teachers import make_teacher
 from paco.judge.teachers.base import TeacherResult
@@ -43,7 +43,7 @@ def tables(n_pairs=10):
 
 def test_join_uses_theme_template_and_theme_free_fallback():
     pairs, panels, prompts = tables()
-    t = L.join_pairs(pairs, panels, prompts)
+    t = R.join_pairs(pairs, panels, prompts)
     assert t["pair_id"].tolist() == sorted(pairs["pair_id"])
     assert '"A red fox in snow"' in t.loc[t.prompt_id == "a", "instruction"].iloc[0]
     assert t.loc[t.prompt_id == "b", "instruction"].iloc[0].startswith("Do the two images")
@@ -52,7 +52,7 @@ def test_join_uses_theme_template_and_theme_free_fallback():
 def test_missing_panel_names_the_pair():
     pairs, panels, prompts = tables()
     with pytest.raises(ArtifactError, match="pair x00: panel 'p0'"):
-        L.join_pairs(pairs, panels[panels.panel_id != "p0"], prompts)
+        R.join_pairs(pairs, panels[panels.panel_id != "p0"], prompts)
 
 
 class CountingTeacher:
@@ -75,62 +75,62 @@ class CountingTeacher:
 
 def test_resume_after_interruption_and_failures_are_kept(tmp_path):
     pairs, panels, prompts = tables()
-    table = L.join_pairs(pairs, panels, prompts)
+    table = R.join_pairs(pairs, panels, prompts)
     progress = tmp_path / "progress"
     fp = "identity-1"
-    assert L.prepare_progress(progress, fp) == 0
+    assert R.prepare_progress(progress, fp) == 0
     with pytest.raises(KeyboardInterrupt):
-        L.label_pairs(table, CountingTeacher(interrupt_after=8), progress, chunk_size=4)
-    assert L.prepare_progress(progress, fp) == 2  # two chunks of 4 were persisted
+        R.label_pairs(table, CountingTeacher(interrupt_after=8), progress, chunk_size=4)
+    assert R.prepare_progress(progress, fp) == 2  # two chunks of 4 were persisted
     teacher = CountingTeacher(fail={"x09"})
-    sft = L.label_pairs(table, teacher, progress, chunk_size=4)
+    sft = R.label_pairs(table, teacher, progress, chunk_size=4)
     assert teacher.seen == 2, "a resumed run must only label the missing chunk"
-    assert list(sft.columns) == L.SFT_COLUMNS and len(sft) == 10
+    assert list(sft.columns) == R.SFT_COLUMNS and len(sft) == 10
     ok = sft[sft.status == "ok"]
     for r in ok.itertuples():
         label, reasons = parse_response(r.response)
         assert label == r.label and 1 <= len(reasons) <= 3
     # x09 is in the resumed chunk: its failure is recorded; chunks from before keep their rows
     assert sft.loc[sft.status == "failed", "pair_id"].tolist() == ["x09"]
-    summary = L.summarise(sft)
+    summary = R.summarise(sft)
     assert (summary["ok"], summary["failed"]) == (9, 1)
 
 
 def test_failed_pair_is_recorded_not_relabelled(tmp_path):
     pairs, panels, prompts = tables()
-    table = L.join_pairs(pairs, panels, prompts)
-    L.prepare_progress(tmp_path, "fp")
-    sft = L.label_pairs(table, CountingTeacher(fail={"x01"}), tmp_path, chunk_size=64)
+    table = R.join_pairs(pairs, panels, prompts)
+    R.prepare_progress(tmp_path, "fp")
+    sft = R.label_pairs(table, CountingTeacher(fail={"x01"}), tmp_path, chunk_size=64)
     row = sft.set_index("pair_id").loc["x01"]
     assert row.status == "failed" and row.error == "teacher said Maybe" and pd.isna(row.response)
     assert bool(row.label) is False  # the known label stays
-    assert L.summarise(sft)["failed"] == 1
+    assert R.summarise(sft)["failed"] == 1
 
 
 def test_another_run_identity_starts_over(tmp_path):
-    L.prepare_progress(tmp_path, "old")
+    R.prepare_progress(tmp_path, "old")
     (tmp_path / "chunk-00000.parquet").write_bytes(b"stale")
-    assert L.prepare_progress(tmp_path, "old") == 1
-    assert L.prepare_progress(tmp_path, "new") == 0
+    assert R.prepare_progress(tmp_path, "old") == 1
+    assert R.prepare_progress(tmp_path, "new") == 0
     assert not (tmp_path / "chunk-00000.parquet").exists()
 
 
 def test_rank_instruction_ignores_the_theme():
     pairs, panels, prompts = tables()
-    t = L.join_pairs(pairs, panels, prompts, instruction="rank")
+    t = R.join_pairs(pairs, panels, prompts, instruction="rank")
     assert t["instruction"].nunique() == 1 and t["instruction"].iloc[0].startswith("Do the two images")
 
 
 def test_corrupt_progress_chunk_is_discarded_and_redone(tmp_path, caplog):
     pairs, panels, prompts = tables()
-    table = L.join_pairs(pairs, panels, prompts)
-    L.prepare_progress(tmp_path, "fp")
-    first = L.label_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
+    table = R.join_pairs(pairs, panels, prompts)
+    R.prepare_progress(tmp_path, "fp")
+    first = R.label_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
     (tmp_path / "chunk-00001.parquet").write_bytes(b"PAR1 torn write")  # corrupt the middle chunk
-    assert L.prepare_progress(tmp_path, "fp") == 3
+    assert R.prepare_progress(tmp_path, "fp") == 3
     teacher = CountingTeacher()
     with caplog.at_level("WARNING", logger="paco"):
-        again = L.label_pairs(table, teacher, tmp_path, chunk_size=4)
+        again = R.label_pairs(table, teacher, tmp_path, chunk_size=4)
     assert teacher.seen == 4, "only the corrupt chunk is labelled again"
     assert "chunk-00001.parquet" in caplog.text and "discarding corrupt progress chunk" in caplog.text
     pd.testing.assert_frame_equal(again, first)
@@ -138,27 +138,27 @@ def test_corrupt_progress_chunk_is_discarded_and_redone(tmp_path, caplog):
 
 def test_chunk_with_other_pairs_or_columns_is_discarded(tmp_path):
     pairs, panels, prompts = tables()
-    table = L.join_pairs(pairs, panels, prompts)
-    L.prepare_progress(tmp_path, "fp")
-    L.label_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
+    table = R.join_pairs(pairs, panels, prompts)
+    R.prepare_progress(tmp_path, "fp")
+    R.label_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
     c0, c2 = tmp_path / "chunk-00000.parquet", tmp_path / "chunk-00002.parquet"
     c0.write_bytes(c2.read_bytes())  # a readable chunk holding another chunk's pairs
     pd.DataFrame({"pair_id": ["x08", "x09"]}).to_parquet(c2)  # result columns missing
-    found = L.discard_invalid_chunks(table, tmp_path, chunk_size=4)
+    found = R.discard_invalid_chunks(table, tmp_path, chunk_size=4)
     assert [d["chunk"] for d in found] == ["chunk-00000.parquet", "chunk-00002.parquet"]
     assert "instead of its chunk's" in found[0]["reason"] and "missing column" in found[1]["reason"]
     assert not c0.exists() and not c2.exists()
     teacher = CountingTeacher()
-    sft = L.label_pairs(table, teacher, tmp_path, chunk_size=4)
+    sft = R.label_pairs(table, teacher, tmp_path, chunk_size=4)
     assert teacher.seen == 6 and sft["pair_id"].tolist() == table["pair_id"].tolist()
 
 
 def test_corrupt_identity_marker_starts_over(tmp_path, caplog):
-    L.prepare_progress(tmp_path, "fp")
+    R.prepare_progress(tmp_path, "fp")
     (tmp_path / "chunk-00000.parquet").write_bytes(b"x")
     (tmp_path / "run_identity.json").write_bytes(b'{"identity": "fp"')  # torn write
     with caplog.at_level("WARNING", logger="paco"):
-        assert L.prepare_progress(tmp_path, "fp") == 0
+        assert R.prepare_progress(tmp_path, "fp") == 0
     assert "run_identity.json is unreadable" in caplog.text
     assert json.loads((tmp_path / "run_identity.json").read_text()) == {"identity": "fp"}
 
@@ -180,13 +180,13 @@ def _stage_inputs(tmp: Path) -> dict[str, Path]:
     write_parquet(paths["prompts"], prompts)
     write_parquet(paths["edit_pairs"], pd.DataFrame({c: [] for c in EDIT_PAIR_COLUMNS}))
     # 10 pairs in chunks of 3: chunks 0..3, so 2 processes label 2 chunks each
-    (tmp / "params.yaml").write_text("labels: {chunk_size: 3, teacher: {backend: template, template: {size: 48}}}\n")
+    (tmp / "params.yaml").write_text("reasons: {chunk_size: 3, teacher: {backend: template, template: {size: 48}}}\n")
     return paths
 
 
 def _launch_labels(processes: int, tmp: Path, paths: dict[str, Path], out: Path) -> str:
     cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", str(processes),
-           "-m", "stages.labels", "--params", str(tmp / "params.yaml"), "--pairs", str(paths["pairs"]),
+           "-m", "stages.reasons", "--params", str(tmp / "params.yaml"), "--pairs", str(paths["pairs"]),
            "--panels", str(paths["panels"]), "--prompts", str(paths["prompts"]),
            "--edit-pairs", str(paths["edit_pairs"]), "--sft-import", str(tmp / "llamafactory"),
            "--progress", str(out / "progress"),
