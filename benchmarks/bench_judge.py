@@ -94,7 +94,7 @@ def main() -> None:
 
             args.judge = materialise("judge_base", "tiny:qwen2_5_vl", Path(tmp) / "judge", seed=0)
             top = 100_000
-        text = judge_instruction(None) if params.labels.instruction == "rank" else judge_instruction("a set of photos")
+        text = judge_instruction(None) if params.reasons.instruction == "rank" else judge_instruction("a set of photos")
         texts = [text, judge_instruction("a red fox"), judge_instruction("a long street of houses at dusk in rain")]
         pairs = panels(args.pairs)
         if args.square:
@@ -142,7 +142,7 @@ def main() -> None:
         model = apply_lora(model, cfg.lora)
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
-        rows = [(a, b, t, format_response(i % 2 == 0, None if params.labels.teacher.fast else ["The two panels match."]))
+        rows = [(a, b, t, format_response(i % 2 == 0, None if params.reasons.teacher.fast else ["The two panels match."]))
                 for i, (a, b, t) in enumerate(triples[:cfg.batch_size])]
         batch = encode_sft(processor, rows)
         times = []

@@ -40,8 +40,8 @@ def pair_images(n: int, size: int, seed: int = 0) -> list[tuple[Any, Any, bool]]
 
 
 def sft_table(n_train: int, n_test: int, size: int, seed: int = 0):
-    """An ``sft.parquet``-shaped table (the labels stage's columns) of synthetic pairs with the
-    T2IS theme instruction (the preset's ``labels.instruction: theme``)."""
+    """An ``sft.parquet``-shaped table (the reasons stage's columns) of synthetic pairs with the
+    T2IS theme instruction (the preset's ``reasons.instruction: theme``)."""
     import pandas as pd
 
     from paco.core.io import encode_image
