@@ -23,14 +23,9 @@ from paco.judge.model import Judge, JudgeContextError
 from paco.judge.serve.app import JudgeServer
 from paco.judge.serve.limits import ServerLimits
 
-NAME = "paco-reward-test"
+from judge_server_helpers import NAME, images, request_body
+
 VOCAB = 100_000
-
-
-def _images(n: int, seed: int = 0, size: tuple[int, int] = (64, 64)) -> list[Image.Image]:
-    """``n`` random RGB images of ``size`` (height, width)."""
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +84,7 @@ def test_too_long_prompt_is_a_named_error_everywhere(server, judge):
     with the token count and the limit: a 400 from the server (vLLM's wording), a
     JudgeContextLengthError from the client, a JudgeContextError in process; no score."""
     srv, url = server
-    a, b = _images(2)
+    a, b = images(2)
     theme = " ".join(["a tall lighthouse on a rocky coast at dusk"] * 600)
     text = judge_instruction(theme)
     n = int(judge.processor(text=[judge.processor.apply_chat_template(
@@ -115,7 +110,7 @@ def test_too_long_prompt_is_a_named_error_everywhere(server, judge):
 
 def test_context_bound_is_prompt_plus_one_answer_token(judge):
     """vLLM's rule: prompt tokens + max_tokens (1) <= max_model_len."""
-    a, b = _images(2)
+    a, b = images(2)
     triple = (a, b, "same?")
     n = int(judge.encode([triple])["input_ids"].shape[1])
     fits = Judge(judge.model, judge.processor, max_model_len=n + 1)
@@ -143,7 +138,7 @@ def test_concurrent_requests_match_local_scores_one_pass_each_or_batched(server,
     """The default (auto = single) gives each of 12 concurrent requests its own forward pass;
     same_shape lets them share passes. Either way the scores are the judge's own."""
     srv, url = server
-    ims = _images(12)
+    ims = images(12)
     text = judge_instruction("a tabby cat")
     triples = [(ims[i], ims[(i + 5) % 12], text) for i in range(12)]
     local = judge.score(triples)
@@ -171,7 +166,7 @@ def test_protocol_endpoints_and_errors(server):
     assert health["status"] == "ok" and health["batching"] == "single" and health["max_model_len"] == 4096
     with pytest.raises(JudgeError, match="serves"):
         JudgeClient(url, "other-name", retries=0).check_model()
-    a, b = _images(2)
+    a, b = images(2)
     body = {"model": NAME, "messages": build_openai_messages(png_bytes(a), png_bytes(b), "same?"),
             "max_tokens": 1, "logprobs": True, "top_logprobs": 5}
     status, obj = _post(f"{url}/chat/completions", body)
@@ -199,7 +194,7 @@ def test_protocol_endpoints_and_errors(server):
 def test_unreachable_judge_fails_after_bounded_retries(dead_url):
     url = dead_url
     client = JudgeClient(url, NAME, retries=2, timeout_s=2)
-    a, b = _images(2)
+    a, b = images(2)
     with pytest.raises(JudgeError) as err:
         client.score([(a, b, "same?")])
     msg = str(err.value)
@@ -223,7 +218,7 @@ def test_local_server_process_lifecycle(tiny_model_dirs, tmp_path, monkeypatch):
         environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{server.proc.pid}/environ").read_text().split("\0") if "=" in kv)
         assert environ["OMP_DYNAMIC"] == "false" and environ["MKL_DYNAMIC"] == "false"
         client = JudgeClient(url, NAME, retries=0, top_logprobs=VOCAB)
-        a, b = _images(2)
+        a, b = images(2)
         assert 0.0 <= client.score([(a, b, judge_instruction(None))])[0] <= 1.0
         assert client.health()["forward_passes"] == 1
     finally:
@@ -250,7 +245,7 @@ def test_one_bad_input_fails_only_its_own_request(judge, batching):
 
 
 def _check_one_bad_input(srv, url, judge, batching):
-    a, b = _images(2)
+    a, b = images(2)
     sliver = Image.new("RGB", (300, 1), (200, 30, 30))
     bodies = [{"model": NAME, "messages": build_openai_messages(png_bytes(x), png_bytes(b), "same?"),
                "max_tokens": 1, "logprobs": True, "top_logprobs": VOCAB} for x in (a, sliver, b, a)]
@@ -309,18 +304,13 @@ def _raw(port: int, data: bytes, timeout: float = 30.0) -> bytes:
         return out
 
 
-def _request_body(a, b, text="same?", top=5) -> dict:
-    return {"model": NAME, "messages": build_openai_messages(png_bytes(a), png_bytes(b), text),
-            "max_tokens": 1, "logprobs": True, "top_logprobs": top}
-
-
 def test_official_client_and_raw_http_give_the_same_score(server, judge):
     """The served score through the official openai client (JudgeClient) equals the one read
     from a raw HTTP/1.1 request, and the in-process judge's within float tolerance."""
     srv, url = server
-    a, b = _images(2, seed=5)
+    a, b = images(2, seed=5)
     text = judge_instruction("two cats")
-    body = json.dumps(_request_body(a, b, text, VOCAB)).encode()
+    body = json.dumps(request_body(a, b, text, VOCAB)).encode()
     reply = _raw(srv.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
     assert reply.startswith(b"HTTP/1.1 200")
@@ -362,8 +352,8 @@ def test_body_limits_are_answered_before_reading(judge):
         body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(2)) + b"0\r\n\r\n"
         reply = _raw(srv.port, head + b"Transfer-Encoding: chunked\r\n\r\n" + body)
         assert reply.startswith(b"HTTP/1.1 400") and b"exceeds the limit" in reply
-        a, b = _images(2)
-        assert _post(f"{srv.url}/chat/completions", _request_body(a, b))[0] == 200
+        a, b = images(2)
+        assert _post(f"{srv.url}/chat/completions", request_body(a, b))[0] == 200
 
 
 def _bomb_png(width: int, height: int) -> bytes:
@@ -385,8 +375,8 @@ def _bomb_png(width: int, height: int) -> bytes:
 def test_decompression_bomb_and_huge_text_are_refused_before_any_compute(judge):
     limits = ServerLimits(max_image_pixels=1 << 20)
     with JudgeServer(judge, NAME, limits=limits) as srv:
-        a, b = _images(2)
-        body = _request_body(a, b)
+        a, b = images(2)
+        body = request_body(a, b)
         bomb = json.loads(json.dumps(body))
         bomb["messages"][0]["content"][1]["image_url"]["url"] = (
             "data:image/png;base64," + base64.b64encode(_bomb_png(50_000, 50_000)).decode())
@@ -394,7 +384,7 @@ def test_decompression_bomb_and_huge_text_are_refused_before_any_compute(judge):
         assert status == 400 and "image 2" in obj["error"]["message"] and "pixels" in obj["error"]["message"]
         # 1 MB of instruction for a 4,096-position judge: refused at once, the worker never sees it
         t0 = time.perf_counter()
-        status, obj = _post(f"{srv.url}/chat/completions", _request_body(a, b, "same? " * 170_000))
+        status, obj = _post(f"{srv.url}/chat/completions", request_body(a, b, "same? " * 170_000))
         assert status == 400 and obj["error"]["message"].startswith("This model's maximum context length is 4096")
         assert time.perf_counter() - t0 < 5
         assert srv.batcher.forward_passes == 0 and srv.batcher.requests == 0
@@ -434,10 +424,10 @@ def test_overload_and_a_stalled_worker_are_reported(judge):
     gated = _Gated(judge)
     limits = ServerLimits(max_in_flight=2, stall_s=0.3)
     with JudgeServer(gated, NAME, limits=limits, max_wait_ms=0) as srv:
-        a, b = _images(2)
+        a, b = images(2)
         results: list = []
         waiting = [threading.Thread(target=lambda: results.append(_post(f"{srv.url}/chat/completions",
-                                                                        _request_body(a, b)))) for _ in range(2)]
+                                                                        request_body(a, b)))) for _ in range(2)]
         for t in waiting:
             t.start()
         deadline = time.monotonic() + 30
@@ -446,7 +436,7 @@ def test_overload_and_a_stalled_worker_are_reported(judge):
         time.sleep(0.5)
         status, health = _get(srv.url.removesuffix("/v1") + "/health")
         assert status == 503 and health["status"] == "stalled" and health["busy_s"] > 0.3
-        status, obj = _post(f"{srv.url}/chat/completions", _request_body(a, b))
+        status, obj = _post(f"{srv.url}/chat/completions", request_body(a, b))
         assert status == 503 and "overloaded" in obj["error"]["message"]
         with pytest.raises(JudgeError) as err:
             JudgeClient(srv.url, NAME, retries=1, timeout_s=5).score([(a, b, "same?")])
@@ -503,9 +493,9 @@ def test_a_request_whose_client_gave_up_is_not_computed(judge):
     not computed after the request ahead of it (the reviewer's reproduction: 3 copies computed)."""
     gated = _Gated(judge)
     with JudgeServer(gated, NAME, max_wait_ms=0) as srv:
-        a, b = _images(2)
+        a, b = images(2)
         first: list = []
-        ahead = threading.Thread(target=lambda: first.append(_post(f"{srv.url}/chat/completions", _request_body(a, b))))
+        ahead = threading.Thread(target=lambda: first.append(_post(f"{srv.url}/chat/completions", request_body(a, b))))
         ahead.start()
         deadline = time.monotonic() + 30
         while srv.batcher.busy_since is None and time.monotonic() < deadline:
@@ -524,7 +514,7 @@ def test_a_reply_that_is_not_json_is_a_named_judge_error():
     from fake_openai import FakeOpenAIServer
 
     with FakeOpenAIServer(lambda body, n: (200, '{"choices": [trunc', 0)) as srv:
-        a, b = _images(2)
+        a, b = images(2)
         with pytest.raises(JudgeError, match=r"malformed reply from .*served model 'paco-reward-test'"):
             JudgeClient(srv.base_url, NAME, retries=0).score([(a, b, "x")])
 

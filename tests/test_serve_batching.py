@@ -5,36 +5,22 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from paco.core.templates import judge_instruction
-from paco.judge.chat import build_openai_messages, png_bytes
 from paco.judge.model import Judge
 from paco.judge.serve.batching import BatchingJudge
 from paco.judge.serve.limits import ServerLimits
 from paco.judge.serve.preparation import RequestPreparer
 from paco.judge.serve.protocol import IMAGE_KEY
 
-NAME = "paco-reward-test"
-
-
-def _images(n: int, seed: int = 0, size: tuple[int, int] = (64, 64)) -> list[Image.Image]:
-    """``n`` random RGB images of ``size`` (height, width)."""
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)) for _ in range(n)]
+from judge_server_helpers import NAME, images, request_body
 
 
 @pytest.fixture(scope="module")
 def judge(tiny_model_dirs) -> Judge:
     return Judge.from_pretrained(tiny_model_dirs["judge_base"])
-
-
-def _request_body(a, b, text="same?", top=5) -> dict:
-    return {"model": NAME, "messages": build_openai_messages(png_bytes(a), png_bytes(b), text),
-            "max_tokens": 1, "logprobs": True, "top_logprobs": top}
 
 
 def _batch_rows(judge, triples: list, batching: str, top_k: int) -> tuple[list, list[int]]:
@@ -64,7 +50,7 @@ def test_logprobs_do_not_depend_on_the_batch(judge, batching):
     """The same request, alone and inside batches of 4, 8 and 16 of other contents, prompt lengths
     and image sizes, gets bit-identical log-probs of every vocabulary token (the old server
     left-padded mixed batches into one pass: rows differed by ~3e-6)."""
-    ims = _images(4, seed=1, size=(100, 128)) + _images(2, seed=2, size=(128, 70)) + _images(2, seed=3)
+    ims = images(4, seed=1, size=(100, 128)) + images(2, seed=2, size=(128, 70)) + images(2, seed=3)
     target = (ims[0], ims[1], judge_instruction("a cat"))
     same_shape = [(ims[2], ims[3], target[2]), (ims[1], ims[0], target[2]), (ims[3], ims[2], target[2])]
     texts = [judge_instruction(t) for t in (None, "a red fox in the snow", "robots")]
@@ -87,7 +73,7 @@ def test_small_panels_get_the_same_vision_features_alone_and_batched(judge):
     logits by ~3e-6). In a batched forward pass (``same_shape``, ``Judge.score``) the tower runs
     per row, so each row's image features are bit-identical to its own, alone: the same calls
     with the same shapes."""
-    ims = _images(34, seed=5, size=(64, 64))
+    ims = images(34, seed=5, size=(64, 64))
     encodings = [judge.encode([(ims[i], ims[i + 1], judge_instruction(None))]) for i in range(33)]
 
     def features(enc):
@@ -107,7 +93,7 @@ def test_requests_with_different_image_grids_are_scored_alone(judge):
     vision grids 4x4 and 6x4 patches). Batched, such a request's log-probs changed by ~1e-7
     (the vision tower), which made GRPO runs differ run to run; they are scored alone, so
     they equal the request alone bit for bit however they arrive."""
-    square, tall = _images(8, seed=11, size=(32, 32)), _images(8, seed=12, size=(31, 32))
+    square, tall = images(8, seed=11, size=(32, 32)), images(8, seed=12, size=(31, 32))
     text = judge_instruction(None)
     triples = [(square[i], tall[i], text) for i in range(8)]
     grids = judge.encode([triples[0]])["image_grid_thw"].tolist()
@@ -132,7 +118,7 @@ def test_cancelled_requests_are_not_computed(judge):
 
     batcher = BatchingJudge(Counting(), max_batch_size=8, max_wait_ms=300)
     try:
-        a, b = _images(2)
+        a, b = images(2)
         kept = batcher.submit((a, b, "same?"), 5)
         dropped = batcher.submit((b, a, "same?"), 5)
         assert dropped.cancel()  # still queued (the batcher waits up to 300 ms for more)
@@ -146,10 +132,10 @@ def test_image_feature_cache_is_bit_identical_and_hit(judge):
     """Per-image cached features concatenated = the processor's own batch of both images, bit
     for bit; a repeated image is preprocessed once."""
     prep = RequestPreparer(judge, NAME, ServerLimits(), 5)
-    a, b, c = _images(3, seed=7, size=(90, 130))
+    a, b, c = images(3, seed=7, size=(90, 130))
     triples = [(a, b, "same?"), (a, c, "same?"), (c, b, "same?")]
     for triple in triples:
-        body = json.dumps(_request_body(*triple[:2])).encode()
+        body = json.dumps(request_body(*triple[:2])).encode()
         got, top_k, inputs = prep(body)
         assert top_k == 5 and got[0].info[IMAGE_KEY] and got[1].info[IMAGE_KEY]
         want = judge.encode([triple])
