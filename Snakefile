@@ -5,7 +5,7 @@
 #   snakemake --profile workflow/profiles/slurm           # SLURM (executor plugin)
 #   snakemake --profile workflow/profiles/sbatch          # plain sbatch (cluster-generic)
 #
-# A foreach stage (grpo, sample) gives one rule per subtask: grpo_t2is is DVC's grpo@t2is.
+# A foreach stage (grpo, final_samples) gives one rule per subtask: grpo_t2is is DVC's grpo@t2is.
 
 import sys
 from pathlib import Path

@@ -1,1 +1,2 @@
-"""PaCo-RL pipeline library: data construction, judge, policy, rewards, GRPO, metrics."""
+"""PaCo-RL pipeline library: ``core`` (the shared glue), ``data``, ``models``, ``judge``
+(PaCo-Reward), ``grpo`` (PaCo-GRPO), ``compare`` and ``results`` (reporting)."""

@@ -42,7 +42,7 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def data_stages_clone(tmp_path_factory) -> Path:
-    """A fresh clone of the committed tree with ``dvc repro labels models`` run (tiny models,
+    """A fresh clone of the committed tree with ``dvc repro reasons models`` run (tiny models,
     prompts, edits, composites, panels, ranking instances, pairs, SFT table): the reference the
     multi-process and SLURM tests compare with. Read-only for its users (write elsewhere)."""
     root = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """The layout's rules, read from the source: imports point down, and no file or function grows
 past what a reader takes in at once.
 
-A stage's code dependencies are the import closure of its script (``workflow.registry``), and
+A stage's code dependencies are the import closure of its script (``workflow.code_deps``), and
 code files are part of the run identity, so an import that points up makes an unrelated edit
 rerun stages and discard checkpoints. The direction: ``paco.core`` <- ``paco.data``,
 ``paco.models`` <- ``paco.judge`` <- ``paco.grpo`` <- the reporting tools (``paco.compare``,

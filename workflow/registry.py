@@ -11,7 +11,7 @@ Regenerate ``dvc.yaml`` after editing the registry (``workflow/*.py``)::
 
     python -m workflow.registry > dvc.yaml
 
-*foreach* stages (``grpo``, ``sample``) have one member per subtask: the keys of a params
+*foreach* stages (``grpo``, ``final_samples``) have one member per subtask: the keys of a params
 section (``grpo: {t2is: {...}, kontext_editing: {...}}``). DVC renders them as ``foreach:
 ${grpo}`` with ``${key}`` (the subtask) and ``${item.<field>}`` (its params) in the command,
 deps and outs, and names the members ``grpo@t2is``; the Snakefile defines one rule per member,

@@ -120,7 +120,7 @@ class Stage:
             identity's training parts; a change re-runs the evaluation on the kept weights.
         launch: dotted params keys that only say how the stage is launched (``resources``).
         subprocesses: project modules the stage starts as processes of their own (the local
-            judge server ``paco/judge/serve.py``): their import closure is the stage's code too.
+            judge server ``paco/judge/serve/__main__.py``): their import closure is the stage's code too.
 
     ``code`` is derived, not declared: :func:`code_closure` of the stage module (``stages/<module>.py``
     and every project module it imports, transitively), so editing any module a stage runs reruns

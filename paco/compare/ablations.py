@@ -62,7 +62,7 @@ ABLATIONS: dict[str, Ablation] = {
                  _resolution),
         Ablation("aggregation", "Table 5 / Fig. 6: weighted sum vs log-tame aggregation", "grpo", _aggregation),
         Ablation("first_token_weight", "Table 2: first-token weight alpha = 0.1", "judge", _first_token_weight),
-        Ablation("cot", "Table 2: CoT vs fast (bare Yes/No) labels", "judge", _cot),
+        Ablation("cot", "Table 2: CoT vs fast (bare Yes/No) targets", "judge", _cot),
     )
 }
 

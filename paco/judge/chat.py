@@ -51,7 +51,7 @@ def build_messages(image_a: Any, image_b: Any, text: str) -> list[dict[str, Any]
 
     Args:
         image_a, image_b: PIL images (or anything the processor accepts as an image item).
-        text: the question (e.g. :func:`judge_instruction`).
+        text: the question (e.g. :func:`paco.core.templates.judge_instruction`).
 
     Returns:
         ``[{"role": "user", "content": [{"type": "image", "image": image_a}, {"type": "image",

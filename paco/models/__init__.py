@@ -8,7 +8,8 @@ Public API (imported lazily, so ``import paco.models`` does not import torch/tra
   :func:`load_flux_pipeline`, :func:`load_pipeline`, :class:`Qwen2_5_VLImageOnlyProcessor`,
   :class:`ModelDirectoryError` (``loading``);
 * :func:`train_qwen_tokenizer`, :func:`train_clip_tokenizer`, :func:`train_t5_tokenizer`
-  (``tokenizers``); :data:`PAIRWISE_TEMPLATE`, :data:`CRITERIA_TEMPLATE` (``corpus``).
+  (``tokenizers``); :data:`PAIRWISE_TEMPLATE`, :data:`CRITERIA_TEMPLATE` (``corpus``);
+* the CLIP scorer (``clip``) and the GPU smoke run's paper-width models (``smoke``).
 """
 
 from __future__ import annotations

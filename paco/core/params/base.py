@@ -102,7 +102,7 @@ _YamlLoader.add_implicit_resolver(
 
 
 def read_params_yaml(path: str | Path) -> dict[str, Any] | None:
-    """Parse a params file as :func:`load_params` does (``None`` for an empty file).
+    """Parse a params file as :func:`paco.core.params.schema.load_params` does (``None`` for an empty file).
 
     Raises:
         ParamsError: missing or unreadable file, invalid YAML, or a top level that is not a mapping.

@@ -24,7 +24,7 @@ Backends:
 
 A label is never changed: a teacher response that does not start with the expected answer is
 retried and then recorded as failed (``ok=False`` with the reason in ``error``); every input item
-gets exactly one :class:`TeacherResult`, in input order.
+gets exactly one :class:`~paco.judge.teachers.base.TeacherResult`, in input order.
 
 Params (the ``reasons.teacher`` section, :class:`paco.core.params.TeacherParams`; :func:`make_teacher`)::
 
