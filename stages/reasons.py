@@ -9,11 +9,11 @@ A teacher (``reasons.teacher.backend``: ``template`` offline measurements, ``ope
 OpenAI-compatible endpoint, ``local`` a transformers VLM) justifies each pair's known label in
 1-3 numbered reasons; targets are ``Yes. <reason>...</reason>`` / ``No. ...`` (or bare
 ``Yes.``/``No.`` with ``fast``). Resumable: finished chunks persist in ``--progress``; a corrupt
-chunk is discarded with a warning naming it, labelled again and listed in the metrics
+chunk is discarded with a warning naming it, explained again and listed in the metrics
 (``discarded_chunks``).
 
 Multi-process (``accelerate launch`` with ``resources.stages.reasons.processes``): chunk ``n`` is
-labelled by process ``n % processes``; the main process checks the progress directory first and
+explained by process ``n % processes``; the main process checks the progress directory first and
 assembles ``sft.parquet`` from the chunks after everyone is done, so the table is byte-identical
 for any process count (and a resumed run may use another count).
 """
@@ -58,7 +58,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     panels = read_parquet(args.panels, required=["panel_id", "image"])
     prompts = read_parquet(args.prompts, required=["prompt_id", "global_prompt"])
     # reasons.sft_import is continuable (its folder is not in the identity either): the imported
-    # sets join after the teacher's chunks, so an import change keeps the labelling progress
+    # sets join after the teacher's chunks, so an import change keeps the teacher's progress
     identity = stage_identity(member("reasons"), args.params, params=params, args=args)
     from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
 
@@ -66,7 +66,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     table = pd.concat([R.join_pairs(pairs, panels, prompts, instruction=cfg.instruction),
                        R.join_edit_pairs(edit_pairs)], ignore_index=True).sort_values("pair_id", ignore_index=True)
     if len(table) == 0:
-        raise ArtifactError("no pairs to label")
+        raise ArtifactError("no pairs to explain")
     procs = launched_processes()
     resumed, discarded = 0, []
     if procs.is_main:  # one process clears or checks the persisted chunks before anyone labels
@@ -74,14 +74,14 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         discarded = R.discard_invalid_chunks(table, args.progress, chunk_size=cfg.chunk_size)
         resumed -= len(discarded)
         if resumed:
-            log.info("resuming: %d chunks already labelled (run identity %s)", resumed, identity.digest[:12])
+            log.info("resuming: %d chunks already explained (run identity %s)", resumed, identity.digest[:12])
     procs.barrier()
-    labelled = R.label_chunks(
+    explained = R.explain_chunks(
         table, teacher, args.progress, chunk_size=cfg.chunk_size, owns=procs.owns,
         progress=lambda it: tqdm(it, desc=f"reasons (process {procs.rank + 1}/{procs.world})" if procs.world > 1
                                  else "reasons", unit="chunk", position=procs.rank),
     )
-    log.info("process %d/%d labelled %d chunks", procs.rank + 1, procs.world, labelled)
+    log.info("process %d/%d explained %d chunks", procs.rank + 1, procs.world, explained)
     procs.barrier()
     if not procs.is_main:
         args.metrics = None  # the main process writes the table and the metrics
@@ -101,8 +101,8 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     metrics["import_skipped"] = len(imported.skipped) if imported else 0
     metrics["import_skipped_rows"] = imported.skipped[:50] if imported else []
     metrics["resumed_chunks"] = resumed
-    metrics["discarded_chunks"] = discarded  # corrupt persisted chunks, labelled again
-    log.info("labelled %d pairs: %d ok, %d failed", metrics["pairs"], metrics["ok"], metrics["failed"])
+    metrics["discarded_chunks"] = discarded  # corrupt persisted chunks, explained again
+    log.info("explained %d pairs: %d ok, %d failed", metrics["pairs"], metrics["ok"], metrics["failed"])
     # resumed/discarded chunks differ between a resumed and a fresh run: report only
     return StageOutput({k: metrics[k] for k in ("ok", "failed")}, metrics)
 

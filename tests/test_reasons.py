@@ -80,10 +80,10 @@ def test_resume_after_interruption_and_failures_are_kept(tmp_path):
     fp = "identity-1"
     assert R.prepare_progress(progress, fp) == 0
     with pytest.raises(KeyboardInterrupt):
-        R.label_pairs(table, CountingTeacher(interrupt_after=8), progress, chunk_size=4)
+        R.explain_pairs(table, CountingTeacher(interrupt_after=8), progress, chunk_size=4)
     assert R.prepare_progress(progress, fp) == 2  # two chunks of 4 were persisted
     teacher = CountingTeacher(fail={"x09"})
-    sft = R.label_pairs(table, teacher, progress, chunk_size=4)
+    sft = R.explain_pairs(table, teacher, progress, chunk_size=4)
     assert teacher.seen == 2, "a resumed run must only label the missing chunk"
     assert list(sft.columns) == R.SFT_COLUMNS and len(sft) == 10
     ok = sft[sft.status == "ok"]
@@ -100,7 +100,7 @@ def test_failed_pair_is_recorded_not_relabelled(tmp_path):
     pairs, panels, prompts = tables()
     table = R.join_pairs(pairs, panels, prompts)
     R.prepare_progress(tmp_path, "fp")
-    sft = R.label_pairs(table, CountingTeacher(fail={"x01"}), tmp_path, chunk_size=64)
+    sft = R.explain_pairs(table, CountingTeacher(fail={"x01"}), tmp_path, chunk_size=64)
     row = sft.set_index("pair_id").loc["x01"]
     assert row.status == "failed" and row.error == "teacher said Maybe" and pd.isna(row.response)
     assert bool(row.label) is False  # the known label stays
@@ -125,13 +125,13 @@ def test_corrupt_progress_chunk_is_discarded_and_redone(tmp_path, caplog):
     pairs, panels, prompts = tables()
     table = R.join_pairs(pairs, panels, prompts)
     R.prepare_progress(tmp_path, "fp")
-    first = R.label_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
+    first = R.explain_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
     (tmp_path / "chunk-00001.parquet").write_bytes(b"PAR1 torn write")  # corrupt the middle chunk
     assert R.prepare_progress(tmp_path, "fp") == 3
     teacher = CountingTeacher()
     with caplog.at_level("WARNING", logger="paco"):
-        again = R.label_pairs(table, teacher, tmp_path, chunk_size=4)
-    assert teacher.seen == 4, "only the corrupt chunk is labelled again"
+        again = R.explain_pairs(table, teacher, tmp_path, chunk_size=4)
+    assert teacher.seen == 4, "only the corrupt chunk is explained again"
     assert "chunk-00001.parquet" in caplog.text and "discarding corrupt progress chunk" in caplog.text
     pd.testing.assert_frame_equal(again, first)
 
@@ -140,7 +140,7 @@ def test_chunk_with_other_pairs_or_columns_is_discarded(tmp_path):
     pairs, panels, prompts = tables()
     table = R.join_pairs(pairs, panels, prompts)
     R.prepare_progress(tmp_path, "fp")
-    R.label_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
+    R.explain_pairs(table, CountingTeacher(), tmp_path, chunk_size=4)
     c0, c2 = tmp_path / "chunk-00000.parquet", tmp_path / "chunk-00002.parquet"
     c0.write_bytes(c2.read_bytes())  # a readable chunk holding another chunk's pairs
     pd.DataFrame({"pair_id": ["x08", "x09"]}).to_parquet(c2)  # result columns missing
@@ -149,7 +149,7 @@ def test_chunk_with_other_pairs_or_columns_is_discarded(tmp_path):
     assert "instead of its chunk's" in found[0]["reason"] and "missing column" in found[1]["reason"]
     assert not c0.exists() and not c2.exists()
     teacher = CountingTeacher()
-    sft = R.label_pairs(table, teacher, tmp_path, chunk_size=4)
+    sft = R.explain_pairs(table, teacher, tmp_path, chunk_size=4)
     assert teacher.seen == 6 and sft["pair_id"].tolist() == table["pair_id"].tolist()
 
 
@@ -202,8 +202,8 @@ def test_two_processes_write_the_one_process_table_byte_for_byte(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _launch_labels(1, tmp_path, paths, one)
     log = _launch_labels(2, tmp_path, paths, two)
-    # each process labelled its own chunks (n % 2 == rank), and only those
-    assert "process 1/2 labelled 2 chunks" in log and "process 2/2 labelled 2 chunks" in log, log[-2000:]
+    # each process explained its own chunks (n % 2 == rank), and only those
+    assert "process 1/2 explained 2 chunks" in log and "process 2/2 explained 2 chunks" in log, log[-2000:]
     assert (one / "sft.parquet").read_bytes() == (two / "sft.parquet").read_bytes()
     assert (one / "metrics.json").read_bytes() == (two / "metrics.json").read_bytes()
     for n in range(4):
@@ -212,10 +212,10 @@ def test_two_processes_write_the_one_process_table_byte_for_byte(tmp_path):
     report = json.loads((two / "report.json").read_text())
     assert report["run"]["processes"] == 2 and report["pairs"] == 10 and report["resumed_chunks"] == 0
 
-    # resumed under another process count: 3 chunks kept, the lost one labelled by its new owner
+    # resumed under another process count: 3 chunks kept, the lost one explained by its new owner
     (two / "progress" / "chunk-00001.parquet").unlink()
     (two / "sft.parquet").unlink()
     log = _launch_labels(1, tmp_path, paths, two)
-    assert "process 1/1 labelled 1 chunks" in log, log[-2000:]
+    assert "process 1/1 explained 1 chunks" in log, log[-2000:]
     assert (one / "sft.parquet").read_bytes() == (two / "sft.parquet").read_bytes()
     assert json.loads((two / "report.json").read_text())["resumed_chunks"] == 3

@@ -21,16 +21,14 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from paco.core import checkpoints as ckpt
 from paco.core.io import write_json
 from paco.core.stage import broadcast_from_main
-
-if TYPE_CHECKING:
-    from paco.judge.training import RewardRun, RewardState
+from paco.judge.run import RewardRun, RewardState
 
 # the judge training's logger (its checkpoint lines read as the training's)
 log = logging.getLogger("paco.judge.training")

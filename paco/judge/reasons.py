@@ -11,7 +11,7 @@ Progress is persisted per chunk of pairs under a progress directory, tagged with
 identity (:mod:`paco.core.run_identity`: the ``reasons`` params, the pair, panel and prompt tables, the
 code the stage runs): an interrupted run resumes with the chunks it finished; any change starts
 over. A chunk file that cannot be read, or does not hold exactly its chunk's pairs, is discarded
-with a warning naming it and labelled again; an unreadable identity marker clears the directory. Failed
+with a warning naming it and explained again; an unreadable identity marker clears the directory. Failed
 pairs stay in the output with ``status="failed"`` and the teacher's error; they are counted,
 never relabelled or dropped.
 """
@@ -138,7 +138,7 @@ def _chunk_problem(path: Path, pair_ids: list[str]) -> str | None:
 
 
 def discard_invalid_chunks(table: pd.DataFrame, progress_dir: Path, *, chunk_size: int) -> list[dict[str, str]]:
-    """Delete persisted chunks of ``table`` that cannot be reused, so they are labelled again.
+    """Delete persisted chunks of ``table`` that cannot be reused, so they are explained again.
 
     A chunk is discarded when its file cannot be read as Parquet, lacks a result column, holds
     other pair_ids than rows ``[n * chunk_size, (n + 1) * chunk_size)`` of ``table`` (in that
@@ -157,13 +157,13 @@ def discard_invalid_chunks(table: pd.DataFrame, progress_dir: Path, *, chunk_siz
         ids = table["pair_id"].iloc[n * chunk_size : (n + 1) * chunk_size].tolist()
         problem = _chunk_problem(path, ids)
         if problem is not None:
-            log.warning("discarding corrupt progress chunk %s (%s); it will be labelled again", path, problem)
+            log.warning("discarding corrupt progress chunk %s (%s); it will be explained again", path, problem)
             path.unlink()
             discarded.append({"chunk": path.name, "reason": problem})
     return discarded
 
 
-def label_pairs(
+def explain_pairs(
     table: pd.DataFrame,
     teacher: Teacher,
     progress_dir: Path,
@@ -172,7 +172,7 @@ def label_pairs(
     progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
 ) -> pd.DataFrame:
     """Run the teacher over ``table`` (from :func:`join_pairs`) chunk by chunk, persisting each,
-    in one process: :func:`discard_invalid_chunks`, :func:`label_chunks`, :func:`assemble_sft`.
+    in one process: :func:`discard_invalid_chunks`, :func:`explain_chunks`, :func:`assemble_sft`.
 
     Returns the SFT table (``SFT_COLUMNS``).
 
@@ -181,13 +181,13 @@ def label_pairs(
             given.
     """
     if len(table) == 0:
-        raise ArtifactError("no pairs to label")
+        raise ArtifactError("no pairs to explain")
     discard_invalid_chunks(table, progress_dir, chunk_size=chunk_size)
-    label_chunks(table, teacher, progress_dir, chunk_size=chunk_size, progress=progress)
+    explain_chunks(table, teacher, progress_dir, chunk_size=chunk_size, progress=progress)
     return assemble_sft(table, teacher, progress_dir, chunk_size=chunk_size)
 
 
-def label_chunks(
+def explain_chunks(
     table: pd.DataFrame,
     teacher: Teacher,
     progress_dir: Path,
@@ -196,22 +196,22 @@ def label_chunks(
     owns: Callable[[int], bool] = lambda n: True,
     progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
 ) -> int:
-    """Label the chunks of ``table`` that ``owns(n)`` selects and that are not persisted yet.
+    """Have the teacher explain the chunks of ``table`` that ``owns(n)`` selects and that are not persisted yet.
 
     Chunk ``n`` covers rows ``[n * chunk_size, (n + 1) * chunk_size)`` and is written atomically
     to ``progress_dir/chunk-<n>.parquet``; an existing chunk is reused (resume). A chunk's result
     depends only on its rows and the teacher (the local teacher seeds every call), so which
-    process labels it, and in what order, changes nothing (``owns``: e.g.
+    process explains it, and in what order, changes nothing (``owns``: e.g.
     :meth:`paco.core.distributed.Processes.owns`). Run :func:`discard_invalid_chunks` first, in
     one process.
 
-    Returns the number of chunks labelled by this call.
+    Returns the number of chunks explained by this call.
 
     Raises:
         ArtifactError: the teacher returned results for other pairs than it was given.
     """
     n_chunks = (len(table) + chunk_size - 1) // chunk_size
-    labelled = 0
+    explained = 0
     for n in progress([n for n in range(n_chunks) if owns(n)]):
         path = _chunk_path(progress_dir, n)
         if path.is_file():
@@ -248,8 +248,8 @@ def label_chunks(
                 columns=_RESULT_COLUMNS,
             ),
         )
-        labelled += 1
-    return labelled
+        explained += 1
+    return explained
 
 
 def assemble_sft(table: pd.DataFrame, teacher: Teacher, progress_dir: Path, *, chunk_size: int) -> pd.DataFrame:
@@ -265,7 +265,7 @@ def assemble_sft(table: pd.DataFrame, teacher: Teacher, progress_dir: Path, *, c
     done = pd.concat([read_parquet(_chunk_path(progress_dir, n)) for n in range(n_chunks)], ignore_index=True)
     sft = table.merge(done, on="pair_id", how="left", validate="one_to_one")
     if sft["status"].isna().any():
-        raise ArtifactError(f"{int(sft['status'].isna().sum())} pairs have no teacher result after labelling")
+        raise ArtifactError(f"{int(sft['status'].isna().sum())} pairs have no teacher result after the teacher ran")
     sft["teacher"] = json.dumps(teacher.describe(), sort_keys=True)
     return sft[SFT_COLUMNS]
 

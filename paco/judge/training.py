@@ -11,7 +11,7 @@ Public API
 * :func:`train_reward` -- the whole stage: read ``sft.parquet`` rows, LoRA on the judge's
   language model, an ``accelerate`` training loop (DDP / gloo on CPU), per-epoch evaluation on
   the test split, resumable checkpoints, the PEFT adapter (safetensors) and a metrics dict.
-* the loop's steps over a :class:`RewardRun` and a :class:`RewardState`: :func:`setup`,
+* the loop's steps over a :class:`paco.judge.run.RewardRun` and a :class:`paco.judge.run.RewardState`: :func:`setup`,
   :func:`paco.judge.checkpointing.resume`, :func:`train_step`, :func:`evaluate_epoch`,
   :func:`paco.judge.checkpointing.save_checkpoint`, :func:`paco.judge.checkpointing.save_adapter`,
   :func:`summarise`.
@@ -65,7 +65,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +82,7 @@ from paco.judge.checkpointing import LoraStateHooks, resume, save_adapter, save_
 from paco.judge.lora import apply_lora, language_model_prefix, parameter_counts
 from paco.judge.losses import answer_positions, first_token_weighted_loss
 from paco.judge.model import IGNORE_INDEX, AnswerTokens, check_answer_tokens, p_yes_from_logits
+from paco.judge.run import RewardRun, RewardState, StepInfo
 from paco.judge.sft_data import SftRow, encode_rows, load_sft_rows, row_images, subsample
 
 log = logging.getLogger("paco.judge.training")
@@ -171,76 +171,6 @@ def evaluate(model: Any, processor: Any, rows: Sequence[SftRow], cfg: RewardTrai
 # --------------------------------------------------------------------------------------------
 # training
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """What the per-step ``callback`` of :func:`train_reward` receives (after any checkpoint).
-
-    ``epoch`` is 1-based; ``step_in_epoch`` counts the steps done in that epoch (1 ..
-    ``steps_per_epoch``); ``checkpoint`` is the directory written after this step, if any.
-    """
-
-    global_step: int
-    epoch: int
-    step_in_epoch: int
-    steps_per_epoch: int
-    total_steps: int
-    loss: float
-    checkpoint: str | None
-
-
-@dataclass
-class RewardRun:
-    """What stays fixed through a judge training run: its params section, the accelerator, the data split,
-    the LoRA-wrapped model (prepared) with its optimizer and scheduler, the answer tokens, the
-    run identity and where state goes."""
-
-    cfg: RewardTrainParams
-    accelerator: Any
-    identity: RunIdentity
-    model: Any
-    processor: Any
-    optimizer: Any
-    scheduler: Any
-    lora_params: list[torch.nn.Parameter]
-    answer: AnswerTokens
-    train_rows: list[SftRow]
-    train_available: int
-    test_rows: list[SftRow]
-    counts: dict[str, int]
-    steps_per_epoch: int
-    total_steps: int
-    warmup_steps: int
-    checkpoints_dir: Path
-    plots_dir: Path | None
-    hooks: list[Any]
-
-    @property
-    def world(self) -> int:
-        return self.accelerator.num_processes
-
-    @property
-    def main(self) -> bool:
-        return self.accelerator.is_main_process
-
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.batch_size * self.world * self.cfg.gradient_accumulation_steps
-
-
-@dataclass
-class RewardState:
-    """Where a judge training run is (checkpointed): the epoch (0-based) and the optimizer steps
-    done in it, the global step, the logged history; and this run's bookkeeping."""
-
-    epoch: int = 0
-    step_in_epoch: int = 0
-    global_step: int = 0
-    history: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"train": [], "eval": []})
-    resume: ckpt.Resume | None = None
-    steps_this_run: int = 0
-    train_seconds: float = 0.0
 
 
 def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, base_dir: str | os.PathLike[str],
@@ -413,7 +343,7 @@ def train_reward(
         accelerator: an ``accelerate.Accelerator`` (default :func:`make_accelerator`); its
             ``gradient_accumulation_steps`` must equal ``cfg.gradient_accumulation_steps``.
         callback: called on every process after each optimizer step (after its checkpoint, if
-            any) with a :class:`StepInfo`; an exception raised by it stops training (tests
+            any) with a :class:`paco.judge.run.StepInfo`; an exception raised by it stops training (tests
             interrupt runs this way).
         eval_at_start: also evaluate before the first step (an ``eval`` row with epoch 0).
         log_every: log a progress line every this many optimizer steps.
