@@ -229,3 +229,60 @@ def test_iter_text_lines_bom_newlines_and_bad_bytes(tmp_path):
     assert lines[4] == (5, "last", None)
     path.write_bytes(b"")
     assert list(iter_text_lines(path)) == []
+
+
+# --------------------------------------------------------------------------------------------
+# files a dataset names: confined to its folder
+# --------------------------------------------------------------------------------------------
+
+
+def _dataset(tmp_path):
+    root = tmp_path / "ds"
+    (root / "sub").mkdir(parents=True)
+    Image.new("RGB", (4, 4), (1, 2, 3)).save(root / "sub" / "a.png")
+    outside = tmp_path / "outside.png"
+    Image.new("RGB", (4, 4), (9, 9, 9)).save(outside)
+    return root, outside
+
+
+def test_dataset_path_accepts_files_inside_the_folder(tmp_path):
+    from paco.core.io import dataset_path, read_dataset_file
+
+    root, _ = _dataset(tmp_path)
+    assert dataset_path(root, "sub/a.png", what="row 1") == (root / "sub/a.png").resolve()
+    assert dataset_path(root, "sub/../sub/a.png", what="row 1") == (root / "sub/a.png").resolve()
+    (root / "link.png").symlink_to(root / "sub" / "a.png")  # a link that stays inside is fine
+    assert read_dataset_file(root, "link.png", what="row 1", max_bytes=1 << 20) == (root / "sub/a.png").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["../outside.png", "sub/../../outside.png", "ABS", "out_link.png",
+                                  "out_dir/outside.png"])
+def test_dataset_path_refuses_what_leads_outside(tmp_path, name):
+    from paco.core.io import OutsideDatasetError, dataset_path
+
+    root, outside = _dataset(tmp_path)
+    (root / "out_link.png").symlink_to(outside)
+    (root / "out_dir").symlink_to(tmp_path)
+    name = str(outside) if name == "ABS" else name
+    with pytest.raises(OutsideDatasetError, match="row 7"):
+        dataset_path(root, name, what="row 7")
+
+
+@pytest.mark.parametrize("name", ["", "  ", None, 3, "missing.png", "sub", "/dev/zero", "zero"])
+def test_dataset_path_refuses_what_is_not_a_regular_file_inside(tmp_path, name):
+    from paco.core.io import ArtifactError, dataset_path
+
+    root, _ = _dataset(tmp_path)
+    (root / "zero").symlink_to("/dev/zero")
+    with pytest.raises(ArtifactError, match="row 2"):
+        dataset_path(root, name, what="row 2")
+
+
+def test_read_dataset_file_is_bounded(tmp_path):
+    from paco.core.io import ArtifactError, read_dataset_file
+
+    root, _ = _dataset(tmp_path)
+    size = (root / "sub/a.png").stat().st_size
+    assert len(read_dataset_file(root, "sub/a.png", what="x", max_bytes=size)) == size
+    with pytest.raises(ArtifactError, match=f"{size} bytes, more than the limit of {size - 1}"):
+        read_dataset_file(root, "sub/a.png", what="x", max_bytes=size - 1)

@@ -55,6 +55,81 @@ class UnsupportedImageModeError(ImageDecodeError):
     """An image's pixel mode has no faithful 8-bit RGB rendering (e.g. 32-bit float ``F``)."""
 
 
+class OutsideDatasetError(ArtifactError):
+    """A file named inside a dataset (a manifest entry, a row's image path, a shard) leads outside
+    the dataset's folder: absolute, through ``..``, or through a symlink. Such a file is no
+    declared dependency of the stage, so DVC would not see it change."""
+
+
+# --------------------------------------------------------------------------------------------
+# files named by a dataset
+# --------------------------------------------------------------------------------------------
+
+
+def dataset_path(root: str | os.PathLike[str], name: Any, *, what: str) -> Path:
+    """The regular file that ``name``, as a dataset's own files write it, means inside ``root``.
+
+    ``name`` must be a non-empty relative path (``str`` or :class:`os.PathLike`); it is joined to
+    ``root`` and resolved with every symlink followed, and the result must lie inside ``root``
+    (itself resolved) and be a regular file. ``sub/../a.png`` is fine; ``../a.png``,
+    ``/abs/a.png``, a symlink to a file elsewhere, ``/dev/zero`` or a FIFO are not.
+
+    Args:
+        root: the dataset folder (the stage's declared dependency).
+        name: the path as the dataset names it.
+        what: a label for error messages, e.g. ``"manifest row 3 'file'"``.
+
+    Returns:
+        The resolved path (inside ``root.resolve()``).
+
+    Raises:
+        OutsideDatasetError: ``name`` is absolute or resolves outside ``root``.
+        ArtifactError: ``name`` is not a non-empty path string, or names nothing, a folder, a
+            device, a FIFO or a socket. Every message names ``what`` and ``name``.
+    """
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str) or not name.strip():
+        raise ArtifactError(f"{what}: expected a relative file path, got {name!r}")
+    if "\x00" in name:
+        raise ArtifactError(f"{what}: path {name!r} contains a NUL character")
+    rel = Path(name)
+    if rel.is_absolute() or rel.drive:
+        raise OutsideDatasetError(f"{what}: {name!r} is an absolute path; a dataset names its files relative to "
+                                  f"its folder {Path(root)}")
+    base = Path(root).resolve()
+    resolved = (base / rel).resolve()
+    if not resolved.is_relative_to(base):
+        raise OutsideDatasetError(f"{what}: {name!r} leads outside the dataset folder {base} (to {resolved}); "
+                                  "copy the file into the folder")
+    if not resolved.exists():
+        raise ArtifactError(f"{what}: {name!r} does not exist in {base}")
+    if not resolved.is_file():
+        raise ArtifactError(f"{what}: {name!r} is not a regular file ({resolved})")
+    return resolved
+
+
+def read_dataset_file(root: str | os.PathLike[str], name: Any, *, what: str, max_bytes: int) -> bytes:
+    """The bytes of :func:`dataset_path` ``(root, name)``, at most ``max_bytes`` of them.
+
+    Raises:
+        OutsideDatasetError, ArtifactError: as :func:`dataset_path`; also a file larger than
+            ``max_bytes`` (checked before reading, and again while reading) or unreadable.
+    """
+    path = dataset_path(root, name, what=what)
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ArtifactError(f"{what}: {name!r} is {size} bytes, more than the limit of {max_bytes}")
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ArtifactError(f"{what}: cannot read {name!r} ({exc.strerror or exc})") from exc
+    if len(data) > max_bytes:
+        raise ArtifactError(f"{what}: {name!r} grew past the limit of {max_bytes} bytes while read")
+    return data
+
+
 # --------------------------------------------------------------------------------------------
 # text files
 # --------------------------------------------------------------------------------------------
