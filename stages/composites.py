@@ -4,11 +4,16 @@
 ``generate`` (the ``policy_t2is`` FLUX pipeline, N seeds per prompt) or ``import`` (a folder of
 existing composites plus a manifest). See :mod:`paco.data.composites`.
 
-``import`` decodes each image by its real mode and orientation and reports in the metrics how
-many were rotated by their EXIF orientation, scaled from 16 to 8 bits, or had transparent pixels
-composited onto white (``import_conversions``); with ``strict: false`` bad manifest rows and
-unreadable, oversized (``composites.import.max_pixels``) or unsupported images are skipped and
-listed in ``skipped``. A run that produces no composite fails here, not stages later.
+``import`` reads only inside ``composites.import.dir`` (the declared dependency): a manifest or a
+row's ``file`` that is absolute or leads out of it (``..``, a symlink) is refused. It decodes each
+image by its real mode and orientation and reports in the metrics how many were rotated by their
+EXIF orientation, scaled from 16 to 8 bits, or had transparent pixels composited onto white
+(``import_conversions``); with ``strict: false`` bad manifest rows and unreadable, oversized
+(``composites.import.max_pixels``), unsupported or outside files, and images smaller than
+:data:`paco.data.composites.MIN_PANEL_PX` per panel of their prompt's grid, are skipped and listed
+in ``skipped``. Two rows with one composite_id or one (prompt_id, seed) are refused. ``photos``
+refuses a prompt whose ``subject`` names no shipped photograph before rendering anything. A run
+that produces no composite fails here, not stages later.
 
 Multi-process (``accelerate launch`` with ``resources.stages.composites.processes``; the work is
 ``generate``'s): render batch ``n`` belongs to process ``n % processes``; each process writes its
@@ -24,6 +29,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import pandas as pd
 from tqdm import tqdm
 
 from paco.data import composites as C
@@ -54,6 +60,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     if cfg.source == "photos":
         from paco.data.photos import render_composites
 
+        _check_subjects(prompts)
         df = render_composites(prompts, cfg.photos, cfg.seeds_per_prompt, cfg.seed)
     elif cfg.source == "generate":
         from paco.models.loading import load_flux_pipeline
@@ -73,7 +80,9 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
                 return StageOutput({})
     else:
         import_cfg = cfg.import_.model_copy(update={"dir": str(args.import_dir)})
-        df, skipped, conversions = C.import_composites(import_cfg, set(prompts["prompt_id"]), strict=cfg.strict)
+        layouts = {pid: (int(r), int(c)) for pid, r, c in zip(prompts["prompt_id"], prompts["rows"], prompts["cols"])}
+        df, skipped, conversions = C.import_composites(import_cfg, set(prompts["prompt_id"]), strict=cfg.strict,
+                                                       layouts=layouts)
         for row in skipped:
             log.warning("skipped manifest row: %s", row["reason"])
         if conversions["alpha_flattened"]:
@@ -101,11 +110,26 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     }, "composites", "skipped_composites")
 
 
+def _check_subjects(prompts) -> None:
+    """The ``photos`` source builds a prompt's grids from its ``subject`` photograph: refuse, before
+    anything is rendered, a subject that names no shipped photograph (a prompt without one gets
+    one picked by :func:`paco.data.photos.render_composites`)."""
+    from paco.data.photos import SUBJECTS
+
+    if "subject" not in prompts.columns:
+        return
+    for pid, subject in zip(prompts["prompt_id"], prompts["subject"]):
+        if isinstance(subject, str) and subject in SUBJECTS:
+            continue
+        if subject is None or (isinstance(subject, float) and subject != subject) or subject is pd.NA:
+            continue
+        raise ArtifactError(f"prompts: prompt {pid!r}: subject {subject!r} names no shipped photograph "
+                            f"(known subjects: {sorted(SUBJECTS)})")
+
+
 def _assemble(df, prompts, cfg, procs, out: Path):
     """Every process's composites, in batch order, on the main process (``None`` elsewhere):
     each writes ``part-<rank>.parquet`` in a directory beside ``out``, removed afterwards."""
-    import pandas as pd
-
     parts = out.parent / f".{out.name}.parts"
     if procs.is_main:
         shutil.rmtree(parts, ignore_errors=True)  # a killed run's leftovers

@@ -4,8 +4,10 @@
 whose correct result is computed (``target_image``), split by photograph; ``import`` reads the
 GEdit-Bench layout (``--import-path``: Parquet or jsonl + images) and splits it as the
 reference's ``preprocess.py`` (:mod:`paco.data.edits`). Metrics: item counts per split and task
-type, and every skipped row (``strict: false``); a malformed row with ``strict: true`` fails the
-stage naming the file, the row and the reason (exit code 2).
+type, every skipped row (``strict: false``) and the rows left out by ``edits.import.languages``
+per language (``skipped_by_language``); a malformed row with ``strict: true`` fails the stage
+naming the file, the row and the reason (exit code 2). ``input_image`` and ``target_image`` are
+``datasets`` Image columns (``target_image`` null for imported items).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     cfg = params.edits
     skipped: list[dict[str, str]] = []
+    by_language: dict[str, int] = {}
     if cfg.source == "photos":
         ph = cfg.photos
         try:
@@ -39,15 +42,18 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         im = cfg.import_
         res = E.import_gedit(args.import_path or im.path, languages=im.languages, test_items=im.test_items,
                              split_seed=im.split_seed, strict=cfg.strict, max_pixels=im.max_pixels)
-        df, skipped = res.table, res.skipped
+        df, skipped, by_language = res.table, res.skipped, res.skipped_by_language
         for row in skipped:
             log.warning("skipped %s", row["reason"])
-    write_parquet(args.out, df)
+        if by_language:
+            log.info("left out by edits.import.languages %s: %s", im.languages, by_language)
+    write_parquet(args.out, df, image_columns=E.EDIT_IMAGE_COLUMNS)
     log.info("wrote %d editing items (%d skipped) to %s", len(df), len(skipped), args.out)
     return StageOutput.headline({
         "items": len(df),
         "skipped_rows": len(skipped),
         "skipped": skipped,
+        "skipped_by_language": by_language,
         "per_split": df["split"].value_counts().sort_index().to_dict(),
         "per_task_type": df["task_type"].value_counts().sort_index().to_dict(),
     }, "items", "skipped_rows")

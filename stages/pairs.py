@@ -6,6 +6,14 @@ instance's candidates (``pairs.ranking``: ``ground_truth`` drift levels, Consist
 ``rank_instances.parquet`` and ``pairs.parquet``. With ``pairs.editing`` it also reads
 ``edits.parquet`` and writes the editing questions' pairs (:mod:`paco.data.edit_pairs`) to
 ``edit_pairs.parquet``, which is otherwise written empty.
+
+``annotations`` (:func:`paco.data.pairs.read_annotation_records`): every record must annotate one
+ranking instance of the panels (a malformed record, one naming an unknown prompt or panel, or one
+whose candidates are not one panel at another position from each composite is an error naming
+its line), two records ranking one instance differently are an error naming both, and identical
+repeats are kept once and counted in the report (``duplicate_annotations``). Instances without
+an annotation are counted (``unannotated_instances``). Nothing is written before every input
+is checked.
 """
 
 from __future__ import annotations
@@ -37,17 +45,27 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
 
-def _ranker(cfg, args: argparse.Namespace, panels) -> P.Ranker:
+def _ranker(cfg, args: argparse.Namespace, panels) -> tuple[P.Ranker, dict]:
+    """The ranker, and what the report says about its input (the annotation counts)."""
     if cfg.ranking == "ground_truth":
-        return P.ground_truth_ranker(panels)
+        return P.ground_truth_ranker(panels), {}
     if cfg.ranking == "annotations":
-        return P.annotation_ranker(P.annotation_rankings(P.read_annotations(args.annotations), panels))
+        records = P.read_annotation_records(args.annotations)
+        match = P.match_annotations(records, panels)
+        if match.duplicates:
+            log.warning("%d annotation record(s) repeat an earlier record (same instance and ranking; kept once): %s",
+                        len(match.duplicates), ", ".join(d["record"] for d in match.duplicates[:5]))
+        return P.annotation_ranker(match.rankings), {
+            "annotation_records": len(records),
+            "duplicate_annotations": len(match.duplicates),
+            "duplicate_annotation_records": match.duplicates[:50],
+        }
     from paco.models.clip import ClipScorer  # torch + transformers: import only when used
 
     scorer = ClipScorer(args.clip)
     images = [decode_image(c, what=f"panel {pid}") for pid, c in zip(panels["panel_id"], panels["image"])]
     emb = scorer.image_embeddings(images, batch_size=cfg.batch_size).numpy().astype(np.float64)
-    return P.similarity_ranker(dict(zip(panels["panel_id"], emb, strict=True)))
+    return P.similarity_ranker(dict(zip(panels["panel_id"], emb, strict=True))), {}
 
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
@@ -59,7 +77,8 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     if unknown:
         raise ArtifactError(f"panels reference prompt_id(s) missing from prompts: {unknown[:5]}")
     instances = P.build_instances(panels, cfg.candidates)
-    ranked, unannotated = P.rank_instances(instances, _ranker(cfg, args, panels), cfg.ranking, split_of)
+    ranker, ranker_report = _ranker(cfg, args, panels)
+    ranked, unannotated = P.rank_instances(instances, ranker, cfg.ranking, split_of)
     if unannotated:
         log.warning("%d of %d instances have no annotation and are not used", unannotated, len(instances))
     if ranked.empty:
@@ -91,6 +110,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         "edit_pairs": len(edit_pairs),
         "edit_items_without_target": no_target,
         "edit_pairs_per_split": {s: int(len(g)) for s, g in edit_pairs.groupby("split")},
+        **ranker_report,
     }, "instances", "pairs", "edit_pairs")
 
 

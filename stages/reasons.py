@@ -3,7 +3,9 @@
 The pairs: the T2IS pairs (``pairs.parquet`` with their panels) and the editing pairs
 (``edit_pairs.parquet``, each with its own question). With ``reasons.sft_import.enabled``, published
 SFT sets in LLaMA-Factory's layout (PaCo-Dataset's ``sharegpt_editing_cot``:
-:mod:`paco.judge.sft_import`) join the table as they are.
+:mod:`paco.judge.sft_import`) join the table as published (their images stored as PNG); with
+``reasons.sft_import.strict: false`` a malformed row is skipped and listed in the report
+(``import_skipped``, ``import_skipped_rows``: dataset, file and row, reason).
 
 A teacher (``reasons.teacher.backend``: ``template`` offline measurements, ``openai`` any
 OpenAI-compatible endpoint, ``local`` a transformers VLM) justifies each pair's known label in
@@ -94,6 +96,8 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         imp = cfg.sft_import
         imported = import_sft(args.sft_import, imp.datasets, strict=imp.strict, max_pixels=imp.max_pixels)
         log.info("imported %s from %s (%d rows skipped)", imported.rows, args.sft_import, len(imported.skipped))
+        for row in imported.skipped[:50]:
+            log.warning("skipped %s", row["reason"])
         sft = pd.concat([sft, imported.table], ignore_index=True).sort_values("pair_id", ignore_index=True)
     write_parquet(args.out, sft, image_columns=["image_a", "image_b"])
     metrics = R.summarise(sft)

@@ -9,7 +9,12 @@ trained judge against each baseline. The editing benchmark (``reward_eval.edit_b
 paper Table 1): pairwise preference accuracy per dimension (prompt following, consistency,
 overall = sqrt(PF * SC)), strict and with ties, macro-averaged over task types, for the same
 judges, on the held-out photo edits (``photos``, from ``edit_pairs.parquet``) or an
-EditReward-Bench-format file (``editreward``).
+EditReward-Bench-format file (``editreward``; images bounded by ``reward_eval.editreward_max_pixels``),
+with the instances whose two outputs are the same bytes counted apart.
+
+Every input (the instances, panels and prompts, and the editing benchmark) is read and checked
+before any model is loaded; ``predictions.parquet`` is written last, after every score: a bad
+input fails the stage with one line naming the file, row and field, and writes nothing.
 
 Multi-process (``accelerate launch`` with ``resources.stages.reward_eval.processes``): every
 scorer's batches are sharded over the processes and gathered in order
@@ -46,13 +51,12 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
 
 
-def _body(args: argparse.Namespace, params: Params) -> dict:
-    from paco.models.clip import ClipScorer
-    from paco.judge.model import Judge
+def _read_inputs(args: argparse.Namespace, cfg) -> tuple[pd.DataFrame, dict, dict, pd.DataFrame | None]:
+    """Every input, read and checked before any model is loaded: the ranking instances of the
+    split, their judge instructions, their decoded panels, and the editing benchmark (``None``
+    with ``edit_benchmark: none``)."""
     from paco.core.templates import judge_instruction
 
-    cfg = params.reward_eval
-    seed_everything(cfg.seed)
     instances = read_parquet(args.instances, required=["instance_id", "prompt_id", "split", "ref_panel_id", "candidate_panel_ids", "ranking"])
     instances = instances[instances["split"] == cfg.split].reset_index(drop=True)
     if instances.empty:
@@ -64,16 +68,29 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     }
     needed = set(instances["ref_panel_id"]) | {c for cands in instances["candidate_panel_ids"] for c in cands}
     panels = E.decode_panels(read_parquet(args.panels, required=["panel_id", "image"]), needed)
+    bench = None
+    if cfg.edit_benchmark == "photos":
+        from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
 
-    procs = launched_processes()
-    device = procs.device  # this process's GPU (or the CPU)
-    judges = {"paco_reward": Judge.from_pretrained(args.judge, answer_variants=cfg.answer_variants,
-                                                   batch_size=cfg.batch_size, device=device)}
-    scorers = {"paco_reward": judges["paco_reward"].score}
+        bench = E.photo_edit_benchmark(read_parquet(args.edit_pairs, required=EDIT_PAIR_COLUMNS), cfg.split)
+    elif cfg.edit_benchmark == "editreward":
+        bench = E.read_edit_benchmark(args.editreward, max_pixels=cfg.editreward_max_pixels)
+    if bench is not None and bench.empty:
+        raise ArtifactError(f"reward_eval.edit_benchmark {cfg.edit_benchmark}: no instance in split {cfg.split!r} "
+                            "(set edit_benchmark: none to skip the editing benchmark)")
+    return instances, instruction_of, panels, bench
+
+
+def _scorers(args: argparse.Namespace, cfg, device) -> dict:
+    """name -> batch scorer: the trained judge, and the configured baselines."""
+    from paco.models.clip import ClipScorer
+    from paco.judge.model import Judge
+
+    scorers = {"paco_reward": Judge.from_pretrained(args.judge, answer_variants=cfg.answer_variants,
+                                                    batch_size=cfg.batch_size, device=device).score}
     if "base_zero_shot" in cfg.baselines:
-        judges["base_zero_shot"] = Judge.from_pretrained(args.base, answer_variants=cfg.answer_variants,
-                                                         batch_size=cfg.batch_size, device=device)
-        scorers["base_zero_shot"] = judges["base_zero_shot"].score
+        scorers["base_zero_shot"] = Judge.from_pretrained(args.base, answer_variants=cfg.answer_variants,
+                                                          batch_size=cfg.batch_size, device=device).score
     if "clip_i" in cfg.baselines:
         clip = ClipScorer(args.clip, device=device)
 
@@ -83,19 +100,41 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
             return clip.cosine(a, b).tolist()
 
         scorers["clip_i"] = clip_i
+    return scorers
 
-    scorers = {name: shard_batches(fn, procs, cfg.batch_size) for name, fn in scorers.items()}
+
+def _editing(bench: pd.DataFrame, scorers: dict, cfg) -> dict:
+    """The editing benchmark's figures of every judge (``metrics["editing"]``)."""
+    edit_scores = {name: E.edit_scores(bench, scorer, templates=cfg.edit_templates, single=(name == "clip_i"))
+                   for name, scorer in scorers.items()}
+    editing = {
+        "benchmark": cfg.edit_benchmark, "templates": cfg.edit_templates, "instances": len(bench),
+        "items": int(bench["item_id"].nunique()), "identical_outputs": int(bench["identical_outputs"].sum()),
+        "judges": {name: E.edit_accuracy(sc) for name, sc in edit_scores.items()},
+        "paco_reward_vs": {name: E.edit_paired_comparison(edit_scores["paco_reward"], sc)
+                           for name, sc in edit_scores.items() if name != "paco_reward"},
+    }
+    for name, acc in editing["judges"].items():
+        log.info("%-15s editing accuracy: %s", name, "  ".join(
+            f"{d} {a['accuracy']:.3f} (p {a['p_value']:.2g})" for d, a in acc.items()))
+    return editing
+
+
+def _body(args: argparse.Namespace, params: Params) -> dict:
+    cfg = params.reward_eval
+    seed_everything(cfg.seed)
+    # read and check every input first, then compute, then write: a bad input fails the stage
+    # before any model is loaded and leaves no output of this run
+    instances, instruction_of, panels, bench = _read_inputs(args, cfg)
+    procs = launched_processes()
+    scorers = {name: shard_batches(fn, procs, cfg.batch_size)
+               for name, fn in _scorers(args, cfg, procs.device).items()}  # procs.device: this process's GPU or CPU
     preds = {}
     for name, scorer in scorers.items():
         preds[name] = E.rank_predictions(
             instances, panels, instruction_of, scorer, name,
             progress=lambda it, name=name: tqdm(it, desc=f"eval {name}", unit="chunk"), chunk=4 * cfg.batch_size,
         )
-    table = pd.concat(preds.values(), ignore_index=True)
-    if procs.is_main:
-        write_parquet(args.predictions, table)
-    else:
-        args.metrics = None  # the main process writes the predictions and the metrics
     metrics = {
         "split": cfg.split,
         "instances": len(instances),
@@ -106,31 +145,15 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
             name: E.paired_comparison(preds["paco_reward"], p) for name, p in preds.items() if name != "paco_reward"
         },
     }
-    if cfg.edit_benchmark != "none":
-        if cfg.edit_benchmark == "photos":
-            from paco.data.edit_pairs import EDIT_PAIR_COLUMNS
-
-            bench = E.photo_edit_benchmark(read_parquet(args.edit_pairs, required=EDIT_PAIR_COLUMNS), cfg.split)
-        else:
-            bench = E.read_edit_benchmark(args.editreward)
-        if bench.empty:
-            raise ArtifactError(f"reward_eval.edit_benchmark {cfg.edit_benchmark}: no instance in split {cfg.split!r} "
-                                "(set edit_benchmark: none to skip the editing benchmark)")
-        edit_scores = {name: E.edit_scores(bench, scorer, templates=cfg.edit_templates, single=(name == "clip_i"))
-                       for name, scorer in scorers.items()}
-        metrics["editing"] = {
-            "benchmark": cfg.edit_benchmark, "templates": cfg.edit_templates, "instances": len(bench),
-            "items": int(bench["item_id"].nunique()),
-            "judges": {name: E.edit_accuracy(sc) for name, sc in edit_scores.items()},
-            "paco_reward_vs": {name: E.edit_paired_comparison(edit_scores["paco_reward"], sc)
-                               for name, sc in edit_scores.items() if name != "paco_reward"},
-        }
-        for name, acc in metrics["editing"]["judges"].items():
-            log.info("%-15s editing accuracy: %s", name, "  ".join(
-                f"{d} {a['accuracy']:.3f} (p {a['p_value']:.2g})" for d, a in acc.items()))
+    if bench is not None:
+        metrics["editing"] = _editing(bench, scorers, cfg)
     for name, m in metrics["judges"].items():
         log.info("%-15s accuracy %.3f  tau %.3f  top1-bottom1 %.3f  (p vs chance %.2g)", name, m["accuracy"],
                  m["kendall_tau"], m["top1_bottom1"], m["accuracy_vs_chance"].get("p_value", float("nan")))
+    if procs.is_main:
+        write_parquet(args.predictions, pd.concat(preds.values(), ignore_index=True))
+    else:
+        args.metrics = None  # the main process writes the predictions and the metrics
     # metrics.json: the ConsistencyRank figures of paper Table 2 per judge, and the trained judge's
     # accuracy gain over each baseline with its p-value; everything else in report.json
     headline = {

@@ -12,7 +12,8 @@ import yaml
 from PIL import Image
 
 from paco.data import composites as C
-from paco.core.io import ArtifactError, ImageDecodeError, ImageTooLargeError, decode_image, encode_image, write_parquet
+from paco.core.io import (ArtifactError, ImageDecodeError, ImageTooLargeError, decode_image, encode_image,
+                          image_file_byte_limit, write_parquet)
 from paco.core.params import GenerateParams, ImportParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,3 +244,115 @@ def test_stage_skips_a_decompression_bomb_when_not_strict(tmp_path):
 def test_stage_refuses_a_decompression_bomb_cleanly_when_strict(tmp_path, caplog):
     assert run_composites_stage(tmp_path, strict=True) == 2  # a clean stage error, no traceback
     assert "bomb" in caplog.text and not (tmp_path / "c.parquet").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# import: files outside the folder, grid size, (prompt_id, seed) duplicates, photo subjects
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "symlink"])
+def test_import_refuses_a_file_outside_the_folder(tmp_path, how):
+    from paco.core.io import OutsideDatasetError
+
+    folder = tmp_path / "imp"
+    folder.mkdir()
+    Image.new("RGB", (32, 32), (9, 9, 9)).save(tmp_path / "outside.png")
+    Image.new("RGB", (32, 32)).save(folder / "ok.png")
+    name = {"absolute": str(tmp_path / "outside.png"), "dotdot": "../outside.png", "symlink": "link.png"}[how]
+    if how == "symlink":
+        (folder / "link.png").symlink_to(tmp_path / "outside.png")
+    (folder / "alias.png").symlink_to("ok.png")  # a symlink inside the folder is fine
+    cfg = write_manifest(folder, [row("ok", "alias.png"), row("out", name, 1)])
+    with pytest.raises(OutsideDatasetError, match=r"manifest.jsonl:2: composite 'out' field 'file'") as ei:
+        C.import_composites(cfg, {"p"})
+    assert isinstance(ei.value, C.ManifestRowError) and ei.value.field == "file"
+    df, skipped, _ = C.import_composites(cfg, {"p"}, strict=False)
+    assert df.composite_id.tolist() == ["ok"] and df.image[0]["path"] == "alias.png"  # the manifest's name
+    assert [s["composite_id"] for s in skipped] == ["out"] and "outside" in skipped[0]["reason"]
+
+
+@pytest.mark.parametrize("manifest", ["../m.jsonl", "ABS"])
+def test_import_refuses_a_manifest_outside_the_folder(tmp_path, manifest):
+    from paco.core.io import OutsideDatasetError
+
+    folder = tmp_path / "imp"
+    folder.mkdir()
+    Image.new("RGB", (32, 32)).save(folder / "ok.png")
+    (tmp_path / "m.jsonl").write_text(json.dumps(row("ok", "imp/ok.png")) + "\n")
+    name = str(tmp_path / "m.jsonl") if manifest == "ABS" else manifest
+    with pytest.raises(OutsideDatasetError, match="m.jsonl"):
+        C.import_composites(ImportParams(dir=str(folder), manifest=name), {"p"})
+
+
+def test_import_bounds_the_bytes_it_reads(tmp_path):
+    cfg = write_manifest(tmp_path, [row("big", "big.png"), row("ok", "ok.png", 1)], max_pixels=1000)
+    (tmp_path / "big.png").write_bytes(b"\0" * (image_file_byte_limit(1000) + 1))
+    Image.new("RGB", (10, 10)).save(tmp_path / "ok.png")
+    with pytest.raises(C.ManifestRowError, match=r"manifest.jsonl:1: composite 'big'.*more than the limit of"):
+        C.import_composites(cfg, {"p"})
+    df, skipped, _ = C.import_composites(cfg, {"p"}, strict=False)
+    assert df.composite_id.tolist() == ["ok"] and skipped[0]["composite_id"] == "big"
+
+
+def test_import_refuses_a_composite_too_small_for_its_grid(tmp_path):
+    Image.new("RGB", (1, 1)).save(tmp_path / "tiny.png")
+    Image.new("RGB", (2 * C.MIN_PANEL_PX, 2 * C.MIN_PANEL_PX - 1)).save(tmp_path / "short.png")
+    Image.new("RGB", (2 * C.MIN_PANEL_PX, 2 * C.MIN_PANEL_PX)).save(tmp_path / "ok.png")
+    cfg = write_manifest(tmp_path, [row("tiny", "tiny.png"), row("short", "short.png", 1), row("ok", "ok.png", 2)])
+    with pytest.raises(C.ManifestRowError, match=r"manifest.jsonl:1: composite 'tiny'.*1x1 px.*2x2 grid"):
+        C.import_composites(cfg, {"p"}, layouts={"p": (2, 2)})
+    df, skipped, _ = C.import_composites(cfg, {"p"}, layouts={"p": (2, 2)}, strict=False)
+    assert df.composite_id.tolist() == ["ok"]
+    assert [s["composite_id"] for s in skipped] == ["tiny", "short"] and skipped[1]["field"] == "file"
+
+
+def test_import_refuses_two_composites_of_one_prompt_and_seed(tmp_path):
+    write_import_folder(tmp_path)
+    cfg = write_manifest(tmp_path, [row("a", "c0.png", 0), row("b", "c1.png", 1), row("c", "c2.png", 1)])
+    for strict in (True, False):
+        with pytest.raises(C.ManifestError, match=r"prompt_id 'p' and seed 1: .*manifest.jsonl:2 \(composite 'b'\) "
+                                                  r"and .*manifest.jsonl:3 \(composite 'c'\)"):
+            C.import_composites(cfg, {"p"}, strict=strict)
+
+
+def run_stage(tmp_path, source, prompts, strict=True, rows=()):
+    from stages import composites as stage
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["composites"].update(source=source, strict=strict)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    folder = tmp_path / "imp"
+    folder.mkdir(exist_ok=True)
+    if rows:
+        write_manifest(folder, list(rows))
+    write_parquet(tmp_path / "prompts.parquet", pd.DataFrame(prompts))
+    argv = ["--params", str(tmp_path / "params.yaml"), "--prompts", str(tmp_path / "prompts.parquet"),
+            "--policy", str(tmp_path), "--import-dir", str(folder), "--out", str(tmp_path / "c.parquet"),
+            "--metrics", str(tmp_path / "m.json")]
+    return stage.main(argv)
+
+
+PROMPT_2X2 = {"prompt_id": ["p"], "prompt": ["x"], "rows": [2], "cols": [2], "height": [64], "width": [64]}
+
+
+def test_stage_refuses_or_skips_a_composite_too_small_for_its_prompt(tmp_path, caplog):
+    (tmp_path / "imp").mkdir()
+    Image.new("RGB", (1, 1)).save(tmp_path / "imp" / "tiny.png")
+    Image.new("RGB", (64, 64)).save(tmp_path / "imp" / "ok.png")
+    rows = [row("tiny", "tiny.png"), row("ok", "ok.png", 1)]
+    assert run_stage(tmp_path, "import", PROMPT_2X2, rows=rows) == 2
+    assert "composite 'tiny'" in caplog.text and not (tmp_path / "c.parquet").exists()
+    assert run_stage(tmp_path, "import", PROMPT_2X2, strict=False, rows=rows) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["composites"] == 1 and report["skipped"][0]["composite_id"] == "tiny"
+
+
+def test_stage_photos_refuses_an_unknown_subject_by_prompt(tmp_path, caplog):
+    from paco.data.photos import SUBJECTS
+
+    prompts = {**PROMPT_2X2, "prompt_id": ["p", "q"], "prompt": ["x", "y"], "rows": [2, 2], "cols": [2, 2],
+               "height": [64, 64], "width": [64, 64], "subject": [None, "unicorn"]}
+    assert run_stage(tmp_path, "photos", prompts) == 2  # a clean stage error, no traceback
+    assert "prompt 'q'" in caplog.text and "'unicorn'" in caplog.text and repr(sorted(SUBJECTS)) in caplog.text
+    assert not (tmp_path / "c.parquet").exists()

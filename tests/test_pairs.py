@@ -140,3 +140,97 @@ def test_annotation_naming_unknown_panel(tmp_path):
     rec = {"folder": "t2is-0000", "ref_image": "9_0.png", "comp_images": ["0_1.png"], "rank_images": ["0_1.png"]}
     with pytest.raises(ArtifactError, match="9_0.png"):
         P.annotation_rankings([rec], panels)
+
+
+# --------------------------------------------------------------------------------------------
+# annotation import: real line numbers, types, duplicates, records that match no instance
+# --------------------------------------------------------------------------------------------
+
+GOOD = {"folder": "0", "ref_image": "0_0.png", "comp_images": ["0_1.png", "1_1.png", "2_1.png", "3_1.png"],
+        "rank_images": ["2_1.png", "0_1.png", "3_1.png", "1_1.png"]}
+
+
+def write_records(tmp_path, lines):
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_annotation_json_error_names_its_real_line(tmp_path):
+    path = write_records(tmp_path, [GOOD, "", '{"folder": oops}'])
+    with pytest.raises(ArtifactError, match=r"a.jsonl:3: invalid JSON"):
+        P.read_annotations(path)
+
+
+@pytest.mark.parametrize(("field", "value"), [("ref_image", 0), ("comp_images", [0, 1, 2, 3]),
+                                              ("rank_images", "0_1.png"), ("folder", None)])
+def test_annotation_wrong_types_name_line_and_field(tmp_path, field, value):
+    path = write_records(tmp_path, [GOOD, {**GOOD, field: value}])
+    with pytest.raises(ArtifactError, match=rf"a.jsonl:2: field '{field}' must be"):
+        P.read_annotations(path)
+
+
+def test_conflicting_annotations_name_both_records(tmp_path):
+    other = {**GOOD, "comp_images": GOOD["comp_images"][::-1], "rank_images": GOOD["rank_images"][::-1]}
+    path = write_records(tmp_path, [GOOD, other])
+    with pytest.raises(ArtifactError, match=r"a.jsonl:1 and .*a.jsonl:2 rank the same instance differently"):
+        P.match_annotations(P.read_annotation_records(path), panel_table(n_prompts=1))
+
+
+def test_identical_duplicate_annotations_are_kept_once_and_counted(tmp_path):
+    same = {**GOOD, "comp_images": GOOD["comp_images"][::-1]}  # the same candidates, listed otherwise
+    path = write_records(tmp_path, [GOOD, same])
+    match = P.match_annotations(P.read_annotation_records(path), panel_table(n_prompts=1))
+    assert len(match.rankings) == 1
+    assert [(d["record"], d["same_as"]) for d in match.duplicates] == [(f"{path}:2", f"{path}:1")]
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"comp_images": ["0_1.png", "1_1.png", "2_1.png"], "rank_images": ["0_1.png", "1_1.png", "2_1.png"]},
+     r"3 candidates, but prompt t2is-0000 has 4 composites"),
+    ({"comp_images": ["0_1.png", "1_2.png", "2_1.png", "3_1.png"],
+      "rank_images": ["0_1.png", "1_2.png", "2_1.png", "3_1.png"]}, r"panel positions \[1, 2\]"),
+    ({"comp_images": ["0_0.png", "1_0.png", "2_0.png", "3_0.png"],
+      "rank_images": ["0_0.png", "1_0.png", "2_0.png", "3_0.png"]}, r"the reference's own position 0"),
+    ({"comp_images": ["0_1.png", "0_1.png", "2_1.png", "3_1.png"],
+      "rank_images": ["0_1.png", "0_1.png", "2_1.png", "3_1.png"]}, r"repeats image\(s\) \['0_1.png'\]"),
+])
+def test_annotations_matching_no_instance_are_an_error(tmp_path, change, needle):
+    path = write_records(tmp_path, [GOOD, {**GOOD, **change}])
+    with pytest.raises(ArtifactError, match=rf"a.jsonl:2: .*{needle}"):
+        P.match_annotations(P.read_annotation_records(path), panel_table(n_prompts=1))
+
+
+def run_pairs_stage(tmp_path, annotations):
+    import yaml
+    from pathlib import Path
+
+    from paco.core.io import write_parquet
+    from stages import pairs as stage
+
+    root = Path(__file__).resolve().parents[1]
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["pairs"].update(ranking="annotations", editing=False)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    write_parquet(tmp_path / "panels.parquet", panel_table(n_prompts=1).assign(image=None))
+    write_parquet(tmp_path / "prompts.parquet", pd.DataFrame({"prompt_id": ["t2is-0000"], "split": ["test"]}))
+    out = {k: str(tmp_path / f"{k}.parquet") for k in ("instances", "pairs", "edit-pairs")}
+    return stage.main(["--params", str(tmp_path / "params.yaml"), "--panels", str(tmp_path / "panels.parquet"),
+                       "--prompts", str(tmp_path / "prompts.parquet"), "--clip", str(tmp_path),
+                       "--annotations", str(annotations), "--instances", out["instances"], "--pairs", out["pairs"],
+                       "--edits", str(tmp_path / "none.parquet"), "--edit-pairs", out["edit-pairs"],
+                       "--metrics", str(tmp_path / "m.json")])
+
+
+def test_stage_reports_duplicates_and_refuses_bad_records_cleanly(tmp_path, caplog):
+    path = write_records(tmp_path, [GOOD, GOOD])
+    assert run_pairs_stage(tmp_path, path) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["instances"] == 1 and report["unannotated_instances"] == 47
+    assert report["annotation_records"] == 2 and report["duplicate_annotations"] == 1
+    for name in ("instances", "pairs", "edit-pairs"):
+        (tmp_path / f"{name}.parquet").unlink()
+    path = write_records(tmp_path, [GOOD, {**GOOD, "ref_image": 0}])
+    assert run_pairs_stage(tmp_path, path) == 2  # a clean stage error, no traceback
+    assert "a.jsonl:2: field 'ref_image' must be" in caplog.text
+    assert not any((tmp_path / f"{name}.parquet").exists() for name in ("instances", "pairs", "edit-pairs"))

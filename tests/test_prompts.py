@@ -139,6 +139,12 @@ BAD_ROWS = {
     "editing prompts not strings": (record(editing_prompts=["a", "b", 3, "d"]),
                                     "editing_prompts' must be a list"),
     "subject not a string": (record(subject=7), "'subject' must be a string"),
+    "height past int64": (record(height=10**20), r"'height' must be at most 16384 px, got 100000000000000000000"),
+    "width too large": (record(width=16385), r"'width' must be at most 16384 px"),
+    "number past the digit limit": ('{"idx": ' + "1" * 5000 + "}", "invalid JSON"),
+    "nested too deep": ("[" * 100_000, "invalid JSON"),
+    "unknown subject": (record(subject="unicorn"),
+                        r"'subject': unknown photo subject 'unicorn' \(known subjects: .*'astronaut'"),
 }
 
 
@@ -184,6 +190,15 @@ def test_non_strict_skips_and_reports_every_bad_row(tmp_path):
     # strict mode stops at the first one
     with pytest.raises(PromptFormatError, match="line 2"):
         P.read_t2is_jsonl_with_report(path, strict=True)
+
+
+def test_non_strict_skips_and_counts_a_huge_size_and_an_unknown_subject(tmp_path):
+    rows = [record(idx=1), record(idx=2, height=10**20), record(idx=3, subject="unicorn"),
+            record(idx=4, subject="cat")]
+    df, skipped = P.read_t2is_jsonl_with_report(write_jsonl(tmp_path / "p.jsonl", rows), strict=False)
+    assert df["prompt_id"].tolist() == ["t2is-0001", "t2is-0004"]
+    assert [s["line"] for s in skipped] == [2, 3]
+    assert "'height' must be at most" in skipped[0]["reason"] and "'unicorn'" in skipped[1]["reason"]
 
 
 def test_strict_report_is_empty(tmp_path):
@@ -386,6 +401,15 @@ def test_stage_counts_dropped_criteria_and_fails_on_an_empty_set(tmp_path, caplo
     write_jsonl(path, ["{oops"])
     assert run_prompts_stage(tmp_path, path, strict=False) == 2  # clean stage error, exit code 2
     assert "no valid prompt row" in caplog.text and not (tmp_path / "prompts.parquet").exists()
+
+
+def test_stage_refuses_or_counts_a_height_past_int64(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "p.jsonl", [record(idx=1), record(idx=2, height=10**20)])
+    assert run_prompts_stage(tmp_path, path) == 2  # a clean stage error, no traceback
+    assert "line 2: 'height' must be at most" in caplog.text and not (tmp_path / "prompts.parquet").exists()
+    assert run_prompts_stage(tmp_path, path, strict=False) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["prompts"] == 1 and report["skipped_rows"] == 1 and report["skipped"][0]["line"] == 2
 
 
 # --------------------------------------------------------------------------------------------

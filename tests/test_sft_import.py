@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from paco.core.io import encode_image, read_parquet, write_parquet
+from paco.core.io import decode_image, encode_image, image_file_byte_limit, read_parquet, write_parquet
 from paco.judge.reasons import SFT_COLUMNS
 from paco.judge.sft_import import SFTImportError, import_sft
 
@@ -31,6 +31,10 @@ def _png(path: Path, seed: int, size: int = 24) -> bytes:
     rng = np.random.default_rng(seed)
     Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
     return path.read_bytes()
+
+
+def _as_cell(path: Path) -> dict:
+    return encode_image(decode_image(path.read_bytes()))
 
 
 def _sharegpt(user: str, answer: str, images: list, role="role", content="content", u="user", a="assistant"):
@@ -84,14 +88,14 @@ def test_rows_are_read_as_llamafactory_reads_them(tmp_path):
     first = by.loc["import-sharegpt_editing_cot-000000"]
     assert first["instruction"] == EDIT_Q and bool(first["label"]) is True and first["response"] == YES
     assert list(first["reasons"]) == ["The subject keeps its identity.", "The style is unchanged."]
-    # the image bytes are kept as published; the first image is image_a
-    assert first["image_a"]["bytes"] == (d / "images/0.png").read_bytes()
-    assert first["image_b"]["bytes"] == (d / "images/1.png").read_bytes() and first["image_b"]["path"] == "images/1.png"
+    # the decoded pixels are stored as PNG (encode_image), as generated rows are; the first image is image_a
+    assert first["image_a"]["bytes"] == _as_cell(d / "images/0.png")["bytes"]
+    assert first["image_b"]["bytes"] == _as_cell(d / "images/1.png")["bytes"] and first["image_b"]["path"] == "images/1.png"
     assert (first["split"], first["task"], first["teacher"], first["status"]) == ("train", "edit_sc",
                                                                                     "import:sharegpt_editing_cot", "ok")
     second = by.loc["import-sharegpt_editing_cot-000001"]  # the system turn dropped, newlines between images
     assert second["instruction"] == EDIT_Q and bool(second["label"]) is False
-    assert second["image_a"]["bytes"] == (d / "images/2.png").read_bytes()
+    assert second["image_a"]["bytes"] == _as_cell(d / "images/2.png")["bytes"]
     alpaca = by.loc["import-t2is_alpaca-000000"]
     assert alpaca["instruction"] == "Are the two sub-figures consistent?" and alpaca["response"] == "No."
     assert alpaca["task"] == "t2is" and list(alpaca["reasons"]) == []
@@ -129,6 +133,12 @@ BAD_ROWS = [
     ({"messages": [{"role": "user", "content": "<image><image>Q?"}], "images": ["images/0.png", "images/1.png"]},
      "expected one 'user' turn then one 'assistant' turn"),
     ("not an object", "not a JSON object"),
+    # the first token is what reward_train reads: leading whitespace would make it a space token
+    (_sharegpt("<image><image>Q?", "  " + YES, ["images/0.png", "images/1.png"]), "must start with 'Yes' or 'No'"),
+    (_sharegpt("<image><image>Q?", "\n" + NO, ["images/0.png", "images/1.png"]), "must start with 'Yes' or 'No'"),
+    (_sharegpt("<image><image>Q?", YES, ["images/0.png", {"bytes": "abc", "path": "x.png"}]),
+     "image 2: the cell's bytes are str, not binary"),
+    (_sharegpt("<image><image>Q?", YES, ["images/0.png", {"path": "x.png"}]), "image 2: neither a path nor"),
 ]
 
 
@@ -159,6 +169,122 @@ def test_an_image_over_max_pixels_is_refused(tmp_path):
     d = llamafactory_dir(tmp_path)
     with pytest.raises(SFTImportError, match="max_pixels=100"):
         import_sft(d, {"sharegpt_editing_cot": "edit_sc"}, max_pixels=100)
+
+
+def _outside(tmp: Path, d: Path) -> Path:
+    """A PNG outside the dataset folder, and a symlink to it inside (images/link.png)."""
+    outside = tmp / "outside.png"
+    _png(outside, 7)
+    (d / "images" / "link.png").symlink_to(outside)
+    return outside
+
+
+@pytest.mark.parametrize("file_name, message", [
+    ("../outside.json", "leads outside the dataset folder"),
+    ("ABS", "is an absolute path"),
+    ("../elsewhere", "leads outside the dataset folder"),
+    ("link.json", "leads outside the dataset folder"),
+    ("linked_dir", "leads outside the dataset folder"),
+    ("mixed", "leads outside the dataset folder"),
+])
+def test_a_file_name_outside_the_dataset_dir_is_refused(tmp_path, file_name, message):
+    d = llamafactory_dir(tmp_path)
+    rows = (d / "editing.json").read_text()
+    (tmp_path / "outside.json").write_text(rows)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "a.json").write_text(rows)
+    (d / "link.json").symlink_to(tmp_path / "outside.json")
+    (d / "linked_dir").symlink_to(tmp_path / "elsewhere")
+    (d / "mixed").mkdir()
+    (d / "mixed" / "a.json").write_text(rows)
+    (d / "mixed" / "b.json").symlink_to(tmp_path / "outside.json")  # one file of a folder leads outside
+    if file_name == "ABS":
+        file_name = str(tmp_path / "outside.json")
+    info = json.loads((d / "dataset_info.json").read_text())
+    info["sharegpt_editing_cot"]["file_name"] = file_name
+    (d / "dataset_info.json").write_text(json.dumps(info))
+    for strict in (True, False):  # a data file is no row: never skipped
+        with pytest.raises(SFTImportError, match=message) as err:
+            import_sft(d, {"sharegpt_editing_cot": "edit_sc"}, strict=strict)
+        assert "sharegpt_editing_cot" in str(err.value)
+
+
+@pytest.mark.parametrize("image, message", [
+    ("../outside.png", "leads outside the dataset folder"),
+    ("ABS", "is an absolute path"),
+    ("images/link.png", "leads outside the dataset folder"),
+    ("/dev/zero", "is an absolute path"),
+    ("images/zero", "leads outside the dataset folder"),  # a symlink to /dev/zero
+    ("images", "is not a regular file"),
+])
+def test_an_image_outside_the_dataset_dir_is_refused_or_skipped(tmp_path, image, message):
+    d = llamafactory_dir(tmp_path)
+    outside = _outside(tmp_path, d)
+    (d / "images" / "zero").symlink_to("/dev/zero")
+    image = str(outside) if image == "ABS" else image
+    rows = json.loads((d / "editing.json").read_text())
+    bad = _sharegpt(f"<image><image>{EDIT_Q}", YES, [image, "images/1.png"])
+    (d / "editing.json").write_text(json.dumps([rows[0], bad, rows[1]]))
+    with pytest.raises(SFTImportError, match=re.escape(message)) as err:
+        import_sft(d, {"sharegpt_editing_cot": "edit_sc"})
+    assert "editing.json: row 1" in str(err.value) and "image 1" in str(err.value)
+    got = import_sft(d, {"sharegpt_editing_cot": "edit_sc"}, strict=False)
+    assert got.rows == {"sharegpt_editing_cot": 2} and len(got.skipped) == 1
+    assert message in got.skipped[0]["reason"] and "editing.json: row 1" in got.skipped[0]["where"]
+    png = outside.read_bytes()
+    assert not any(png == c["bytes"] for col in ("image_a", "image_b") for c in got.table[col])
+
+
+def test_an_image_file_over_the_byte_bound_is_refused_before_it_is_read(tmp_path):
+    d = llamafactory_dir(tmp_path)
+    big = d / "images" / "big.png"
+    big.write_bytes((d / "images/0.png").read_bytes() + b"\0" * image_file_byte_limit(1000))  # a tiny image, padded
+    rows = json.loads((d / "editing.json").read_text())
+    rows[1]["images"] = ["images/big.png", "images/1.png"]
+    (d / "editing.json").write_text(json.dumps(rows))
+    got = import_sft(d, {"sharegpt_editing_cot": "edit_sc"}, strict=False, max_pixels=1000)
+    assert len(got.skipped) == 1 and "more than the limit of" in got.skipped[0]["reason"]
+    assert "images/big.png" in got.skipped[0]["reason"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"columns": "x"}, "'columns' must be an object of column names"),
+    ({"columns": {"messages": 3}}, "'columns' must be an object of column names"),
+    ({"tags": ["role", "content"]}, "'tags' must be an object of tag names"),
+])
+def test_a_malformed_dataset_entry_is_named(tmp_path, change, message):
+    d = llamafactory_dir(tmp_path)
+    info = json.loads((d / "dataset_info.json").read_text())
+    info["sharegpt_editing_cot"].update(change)
+    (d / "dataset_info.json").write_text(json.dumps(info))
+    for strict in (True, False):
+        with pytest.raises(SFTImportError, match=re.escape(message)) as err:
+            import_sft(d, {"sharegpt_editing_cot": "edit_sc"}, strict=strict)
+        assert "dataset 'sharegpt_editing_cot'" in str(err.value)
+
+
+def test_a_parquet_image_cell_with_text_bytes_is_a_row_error(tmp_path):
+    d = llamafactory_dir(tmp_path)
+    good = pd.read_parquet(d / "cells.parquet").to_dict("records")[0]
+    bad = {"conversations": good["conversations"], "images": [{"bytes": "not binary", "path": "a.png"}] * 2}
+    pd.DataFrame([bad]).to_parquet(d / "cells.parquet")  # a string-typed bytes field
+    with pytest.raises(SFTImportError, match=r"cells.parquet: row 0: image 1: the cell's bytes are str"):
+        import_sft(d, {"cells": "edit_pf"})
+    with pytest.raises(SFTImportError, match=r"no importable row \(1 skipped\)"):
+        import_sft(d, {"cells": "edit_pf"}, strict=False)
+
+
+def test_jpeg_images_are_stored_as_png_of_their_decoded_pixels(tmp_path):
+    d = llamafactory_dir(tmp_path)
+    rng = np.random.default_rng(3)
+    Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)).save(d / "images/0.jpg", quality=80)
+    rows = json.loads((d / "editing.json").read_text())
+    rows[0]["images"] = ["images/0.jpg", "images/1.png"]
+    (d / "editing.json").write_text(json.dumps(rows))
+    t = import_sft(d, {"sharegpt_editing_cot": "edit_sc"}).table.set_index("pair_id")
+    cell = t.loc["import-sharegpt_editing_cot-000000", "image_a"]
+    assert cell["bytes"].startswith(b"\x89PNG\r\n\x1a\n") and cell["path"] == "images/0.jpg"
+    assert np.array_equal(np.asarray(decode_image(cell)), np.asarray(decode_image((d / "images/0.jpg").read_bytes())))
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,6 +337,22 @@ def test_the_reasons_stage_joins_the_imported_rows_and_keeps_its_progress(tmp_pa
     pd.testing.assert_frame_equal(mine.drop(columns=["image_a", "image_b"]), alone.drop(columns=["image_a", "image_b"]))
     assert sorted(sft.loc[sft["pair_id"].str.startswith("import-"), "teacher"]) == [
         "import:sharegpt_editing_cot", "import:sharegpt_editing_cot", "import:t2is_alpaca"]
+
+
+def test_the_reasons_stage_reports_a_row_skipped_for_an_outside_image(tmp_path):
+    d = llamafactory_dir(tmp_path)
+    _outside(tmp_path, d)
+    rows = json.loads((d / "editing.json").read_text())
+    rows[1]["images"] = ["images/2.png", "images/link.png"]
+    (d / "editing.json").write_text(json.dumps(rows))
+    params = {"reasons": {"chunk_size": 2, "teacher": {"backend": "template", "template": {"size": 32}},
+                          "sft_import": {"enabled": True, "strict": False,
+                                         "datasets": {"sharegpt_editing_cot": "edit_sc"}}}}
+    report = _reasons(tmp_path, params, tmp_path / "out")
+    assert report["imported"] == {"sharegpt_editing_cot": 1} and report["import_skipped"] == 1
+    skipped = report["import_skipped_rows"][0]
+    assert skipped["dataset"] == "sharegpt_editing_cot" and "editing.json: row 1" in skipped["where"]
+    assert "image 2" in skipped["reason"] and "leads outside the dataset folder" in skipped["reason"]
 
 
 def test_params_refuse_an_enabled_import_without_datasets(tmp_path):

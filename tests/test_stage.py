@@ -72,6 +72,37 @@ def test_expected_failures_are_one_line_and_exit_2(tmp_path, params, caplog, exc
     assert expected in caplog.text and not (tmp_path / "out" / "metrics.json").exists()
 
 
+@pytest.mark.parametrize("failure", ["artifact", "params", "bug"])
+def test_a_failed_run_leaves_no_previous_report(tmp_path, params, monkeypatch, failure):
+    """The previous run's ``report.json`` (undeclared, so no engine removes it) is gone once a run
+    starts: a failed run cannot leave it looking like its own."""
+    monkeypatch.delenv("RANK", raising=False)
+    report = tmp_path / "out" / "report.json"
+    assert _run(tmp_path, lambda a, p: StageOutput.headline({"n": 1}, "n")) == 0 and report.is_file()
+    if failure == "params":
+        (tmp_path / "params.yaml").write_text("nonsense: 1\n")
+
+    def body(a, p):
+        raise (ArtifactError("bad input") if failure == "artifact" else RuntimeError("a bug"))
+
+    if failure == "bug":
+        with pytest.raises(RuntimeError):
+            _run(tmp_path, body)
+    else:
+        assert _run(tmp_path, body) == 2
+    assert not report.exists()
+    # a worker process (launcher RANK > 0) leaves it to the main process
+    (tmp_path / "params.yaml").write_text("{}\n")
+    report.write_text("{}")
+    monkeypatch.setenv("RANK", "1")
+
+    def worker(a, p):
+        a.metrics = None  # a worker writes nothing
+        return {"n": 1}
+
+    assert _run(tmp_path, worker) == 0 and report.read_text() == "{}"
+
+
 def test_a_bug_is_not_hidden(tmp_path, params):
     def body(a, p):
         raise OSError(errno.EBADF, "bad file descriptor")

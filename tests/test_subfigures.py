@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -300,3 +301,42 @@ def test_box_iou() -> None:
     assert box_iou((0, 0, 10, 10), (2, 2, 8, 8)) == pytest.approx(36 / 100)
     assert box_iou((0, 0, 0, 0), (0, 0, 0, 0)) == 0.0
     assert box_iou([0, 0, 4, 4], np.array([1, 1, 3, 3])) == pytest.approx(4 / 16)
+
+
+def test_an_image_too_small_for_its_grid_is_a_clean_stage_error(tmp_path, caplog) -> None:
+    import yaml
+
+    from paco.core.io import ArtifactError, encode_image, write_parquet
+    from paco.data.subfigures import GridTooSmallError
+    from stages import subfigures as stage
+
+    with pytest.raises(GridTooSmallError, match="a 1x1 image cannot hold a 2x2 grid"):
+        split_grid(Image.new("RGB", (1, 1)), 2, 2)
+    assert issubclass(GridTooSmallError, ArtifactError)  # a bad input, not a bug: exit code 2
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "params.yaml").write_text((root / "params.yaml").read_text())
+    write_parquet(tmp_path / "c.parquet", pd.DataFrame({
+        "composite_id": ["p-s0"], "prompt_id": ["p"], "seed": [0], "image": [encode_image(Image.new("RGB", (1, 1)))],
+        "height": [1], "width": [1]}), image_columns=["image"])
+    write_parquet(tmp_path / "prompts.parquet", pd.DataFrame({"prompt_id": ["p"], "rows": [2], "cols": [2]}))
+    argv = ["--params", str(tmp_path / "params.yaml"), "--composites", str(tmp_path / "c.parquet"),
+            "--prompts", str(tmp_path / "prompts.parquet"), "--out", str(tmp_path / "panels.parquet"),
+            "--metrics", str(tmp_path / "m.json")]
+    assert yaml.safe_load((tmp_path / "params.yaml").read_text())["subfigures"]["strict"] is True
+    assert stage.main(argv) == 2
+    assert "cannot hold a 2x2 grid" in caplog.text and not (tmp_path / "panels.parquet").exists()
+
+
+def test_a_composite_too_small_for_its_grid_is_named_or_with_strict_false_skipped_and_counted() -> None:
+    from paco.core.io import ArtifactError, encode_image
+    from paco.data.panels import extract_panels
+
+    composites = pd.DataFrame({"composite_id": ["tiny", "ok"], "prompt_id": ["p", "p"], "seed": [0, 1],
+                               "image": [encode_image(Image.new("RGB", (1, 1))), encode_image(Image.new("RGB", (32, 32)))]})
+    prompts = pd.DataFrame({"prompt_id": ["p"], "rows": [2], "cols": [2]})
+    with pytest.raises(ArtifactError, match="composite tiny: .*cannot hold a 2x2 grid"):
+        extract_panels(composites, prompts)
+    panels, report = extract_panels(composites, prompts, strict=False)
+    assert set(panels["composite_id"]) == {"ok"} and len(panels) == 4
+    assert report["skipped_composites"] == 1 and report["skipped"][0]["composite_id"] == "tiny"
+    assert "cannot hold a 2x2 grid" in report["skipped"][0]["reason"]

@@ -109,6 +109,15 @@ def dataset_path(root: str | os.PathLike[str], name: Any, *, what: str) -> Path:
     return resolved
 
 
+def image_file_byte_limit(max_pixels: int | None) -> int:
+    """The most bytes an image file of at most ``max_pixels`` pixels is read with, for
+    :func:`read_dataset_file`: 8 bytes a pixel (16-bit RGBA stored uncompressed, the most a
+    decodable image of that size needs) plus 16 MiB of metadata (ICC profile, EXIF, XMP).
+    ``None`` takes Pillow's own guard, ``2 * PIL.Image.MAX_IMAGE_PIXELS`` pixels."""
+    pixels = int(max_pixels) if max_pixels is not None else 2 * int(Image.MAX_IMAGE_PIXELS or 89_478_485)
+    return 8 * pixels + (16 << 20)
+
+
 def read_dataset_file(root: str | os.PathLike[str], name: Any, *, what: str, max_bytes: int) -> bytes:
     """The bytes of :func:`dataset_path` ``(root, name)``, at most ``max_bytes`` of them.
 

@@ -147,6 +147,13 @@ def report_path(metrics_path: str | os.PathLike[str]) -> Path:
     return Path(metrics_path).with_name("report.json")
 
 
+def _remove_previous_report(metrics_path: str | os.PathLike[str] | None) -> None:
+    """Remove the ``report.json`` beside ``metrics_path`` on the main process (``RANK`` 0 or unset:
+    workers start at the same time and write nothing)."""
+    if metrics_path is not None and os.environ.get("RANK", "0") == "0":
+        report_path(metrics_path).unlink(missing_ok=True)
+
+
 def run(
     name: str,
     argv: Sequence[str] | None,
@@ -161,7 +168,10 @@ def run(
     ``body(args, params)`` does the work and returns a :class:`StageOutput` (a plain dict is
     taken as the metrics); this writes ``metrics`` atomically to ``--metrics`` and ``report``
     plus ``run.wall_seconds`` and ``run.peak_rss_mb`` to ``report.json`` beside it (a body sets
-    ``args.<metrics_arg> = None`` on non-main processes: nothing is written).
+    ``args.<metrics_arg> = None`` on non-main processes: nothing is written). The previous run's
+    ``report.json`` (no declared output, so neither DVC nor Snakemake removes it) is removed
+    first, by the main process (launcher ``RANK`` 0 or unset), before params are read: a failed
+    run leaves no report that looks like its own.
 
     Returns the process exit code: 0 on success, 2 for invalid params, a bad input artifact or
     an environment failure (full disk, no permission: ``OSError`` naming its file) -- one logged
@@ -180,6 +190,7 @@ def run(
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     t0 = time.perf_counter()
     try:
+        _remove_previous_report(getattr(args, metrics_arg, None))
         params = load_params(args.params)
         log.info("stage %s: params %s validated", name, args.params)
         out = body(args, params)

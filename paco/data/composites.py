@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from paco.core.io import ArtifactError, ImageDecodeError, encode_image, iter_text_lines, load_image
+from paco.core.io import (
+    ArtifactError, ImageDecodeError, OutsideDatasetError, dataset_path, encode_image, image_file_byte_limit,
+    iter_text_lines, load_image, read_dataset_file,
+)
 from paco.core.params import GenerateParams, ImportParams
 from paco.core.seeding import stable_seed
 
@@ -135,8 +138,21 @@ class CompositeFileMissingError(ManifestRowError):
     """A manifest row's ``file`` does not exist (names the row, the composite and the path)."""
 
 
+class CompositeFileOutsideError(ManifestRowError, OutsideDatasetError):
+    """A manifest row's ``file`` is absolute or leads out of the import folder (through ``..`` or
+    a symlink): the folder is the stage's declared dependency, so DVC would not see such a file
+    change."""
+
+
 #: Columns every manifest row needs.
 MANIFEST_COLUMNS = ("composite_id", "prompt_id", "seed", "file")
+
+#: Smallest panel side (px) an imported composite must leave for every panel of its prompt's
+#: grid: a ``rows x cols`` prompt needs a composite at least ``cols * MIN_PANEL_PX`` wide and
+#: ``rows * MIN_PANEL_PX`` high. Below that a panel has no content to compare, and the refine
+#: split (which ignores 2% at each line end and searches a window around each cut) has nothing
+#: to work on; a 1x1 image cannot even be cut into a 2x2 grid.
+MIN_PANEL_PX = 8
 
 
 def _is_missing(v: Any) -> bool:
@@ -145,7 +161,8 @@ def _is_missing(v: Any) -> bool:
 
 def read_manifest(path: Path, *, strict: bool = True) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
     """Read an import manifest (``.jsonl`` or ``.parquet``) whose rows give composite_id,
-    prompt_id, seed and file (a path relative to the manifest's folder).
+    prompt_id, seed and file (a path relative to the import folder ``composites.import.dir``,
+    which must hold the manifest and every file: see :func:`import_composites`).
 
     A ``.jsonl`` manifest is read as UTF-8 (a leading byte-order mark is ignored); each
     non-blank line must be a JSON object.
@@ -184,7 +201,7 @@ def read_manifest(path: Path, *, strict: bool = True) -> tuple[list[tuple[str, d
                     continue
                 try:
                     rec = json.loads(text)
-                except json.JSONDecodeError as exc:
+                except (ValueError, RecursionError) as exc:  # JSONDecodeError, digit limit, deep nesting
                     raise ManifestRowError(where, f"invalid JSON ({exc})") from None
                 if not isinstance(rec, dict):
                     raise ManifestRowError(where, f"a row must be a JSON object, got {type(rec).__name__}")
@@ -245,16 +262,75 @@ def _check_row(where: str, rec: dict[str, Any], folder: Path) -> dict[str, Any]:
         raise ManifestRowError(where, f"field 'file' must be a non-empty path string, got {type(file).__name__} {file!r}",
                                composite_id=cid, field="file")
     full = folder / file
-    if not full.is_file():
-        raise CompositeFileMissingError(where, f"field 'file': {file!r} not found (looked for {full})",
-                                        composite_id=cid, field="file", file=file)
+    try:
+        dataset_path(folder, file, what="field 'file'")
+    except OutsideDatasetError as exc:
+        raise CompositeFileOutsideError(where, str(exc), composite_id=cid, field="file", file=file) from None
+    except ArtifactError as exc:
+        if "\x00" not in file and not full.exists():
+            raise CompositeFileMissingError(where, f"field 'file': {file!r} not found (looked for {full})",
+                                            composite_id=cid, field="file", file=file) from None
+        raise ManifestRowError(where, str(exc), composite_id=cid, field="file", file=file) from None
     return {"composite_id": cid, "prompt_id": str(pid), "seed": value, "file": file, "path": full}
 
 
+def _check_unique(checked: list[tuple[str, dict[str, Any]]]) -> None:
+    """Refuse two rows with one composite_id, or with one (prompt_id, seed): a prompt's
+    composites are its candidates, one per seed, so two of one seed would be silently merged."""
+    first: dict[str, str] = {}
+    first_seed: dict[tuple[str, int], tuple[str, str]] = {}
+    for where, row in checked:
+        cid = row["composite_id"]
+        if cid in first:
+            raise ManifestError(f"duplicate composite_id {cid!r}: {first[cid]} and {where}")
+        first[cid] = where
+        key = (row["prompt_id"], row["seed"])
+        if key in first_seed:
+            w0, c0 = first_seed[key]
+            raise ManifestError(
+                f"two composites of prompt_id {key[0]!r} and seed {key[1]}: {w0} (composite {c0!r}) and {where} "
+                f"(composite {cid!r}); a prompt has one composite per seed"
+            )
+        first_seed[key] = (where, cid)
+
+
+def _check_grid_size(where: str, cid: str, file: str, image: Any, layout: tuple[int, int] | None) -> None:
+    if layout is None:
+        return
+    rows, cols = (int(v) for v in layout)
+    if image.width < cols * MIN_PANEL_PX or image.height < rows * MIN_PANEL_PX:
+        raise ManifestRowError(
+            where, f"field 'file': the image is {image.width}x{image.height} px (width x height), too small for "
+            f"its prompt's {rows}x{cols} grid (rows x cols): it needs at least {cols * MIN_PANEL_PX}x"
+            f"{rows * MIN_PANEL_PX} px, {MIN_PANEL_PX} px per panel side",
+            composite_id=cid, field="file", file=file,
+        )
+
+
+def _load_row(where: str, row: dict[str, Any], folder: Path, max_pixels: int,
+              layout: tuple[int, int] | None) -> tuple[Any, Any]:
+    """Read (bounded, inside ``folder``) and decode one checked row's image; check its size."""
+    cid = row["composite_id"]
+    try:
+        data = read_dataset_file(folder, row["file"], what="field 'file'", max_bytes=image_file_byte_limit(max_pixels))
+    except ArtifactError as exc:
+        raise ManifestRowError(where, str(exc), composite_id=cid, field="file", file=row["file"]) from exc
+    image, info = load_image(data, what=f"{where}: composite {cid!r} (file {row['path']})", max_pixels=max_pixels)
+    _check_grid_size(where, cid, row["file"], image, layout)
+    return image, info
+
+
 def import_composites(
-    cfg: ImportParams, prompt_ids: set[str], *, strict: bool = True
+    cfg: ImportParams, prompt_ids: set[str], *, strict: bool = True,
+    layouts: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[pd.DataFrame, list[dict[str, Any]], dict[str, Any]]:
     """Load existing composites listed in ``<cfg.dir>/<cfg.manifest>``.
+
+    ``cfg.dir`` is the dataset folder (the stage's declared dependency): the manifest and every
+    row's ``file`` (relative to ``cfg.dir``) must be regular files inside it, symlinks followed
+    (:func:`paco.core.io.dataset_path`). A file is read only up to :func:`paco.core.io.image_file_byte_limit`.
+    With ``layouts`` (prompt_id -> (rows, cols)) a composite must be at least
+    :data:`MIN_PANEL_PX` px per panel side of its prompt's grid.
 
     Each image is decoded by :func:`paco.core.io.load_image` with ``max_pixels=cfg.max_pixels``: EXIF
     orientation applied, 16-bit greyscale scaled to 8 bits, alpha composited onto
@@ -264,22 +340,34 @@ def import_composites(
         ``(composites, skipped, conversions)``. ``composites`` has ``COMPOSITE_COLUMNS``.
         ``skipped`` (only with ``strict=False``) lists ``{"row", "composite_id", "field",
         "file", "reason"}`` for every row left out: a line that is not UTF-8/JSON/an object, a
-        missing or mistyped field, a missing file, an image that cannot be decoded, is too
-        large or has an unsupported mode. ``conversions`` counts the imported images that were
+        missing or mistyped field, a missing file or one outside ``cfg.dir``, a file over
+        :func:`paco.core.io.image_file_byte_limit`, an image that cannot be decoded, is too large, has an
+        unsupported mode, or is too small for its prompt's grid. ``conversions`` counts the imported images that were
         changed on decoding: ``exif_rotated``, ``rescaled_16bit``, ``alpha_flattened``, and
         lists the composite_ids in ``alpha_flattened_ids``.
 
     Raises:
         ManifestError: manifest problems (see :func:`read_manifest`), a composite_id that
-            repeats (``1`` and ``"1"`` are the same id), or nothing left to import.
+            repeats (``1`` and ``"1"`` are the same id), two rows with the same prompt_id and
+            seed (both named, whatever ``strict``), or nothing left to import.
+        paco.core.io.OutsideDatasetError: the manifest is outside ``cfg.dir``.
         ArtifactError: a prompt_id that is not in the prompts.
         ManifestRowError: (strict) a bad row (names row, field and file);
-            :class:`CompositeFileMissingError` for a missing file.
+            :class:`CompositeFileMissingError` for a missing file,
+            :class:`CompositeFileOutsideError` (also an ``OutsideDatasetError``) for a file
+            outside ``cfg.dir``; a file over :func:`paco.core.io.image_file_byte_limit`, or an image too small for
+            its prompt's grid.
         ImageDecodeError: (strict) an unreadable image; :class:`paco.core.io.ImageTooLargeError`
             above ``cfg.max_pixels``; :class:`paco.core.io.UnsupportedImageModeError`. The message
             names the manifest row, the composite_id and the file.
     """
     folder = Path(cfg.dir)
+    try:
+        dataset_path(folder, cfg.manifest, what="composites.import.manifest")
+    except OutsideDatasetError:
+        raise
+    except ArtifactError:
+        pass  # missing, or not a file: read_manifest says so
     manifest, skipped = read_manifest(folder / cfg.manifest, strict=strict)
     checked: list[tuple[str, dict[str, Any]]] = []
     for where, rec in manifest:
@@ -289,13 +377,7 @@ def import_composites(
             if strict:
                 raise
             skipped.append(_skip_entry(exc))
-    first: dict[str, str] = {}
-    for where, row in checked:
-        if row["composite_id"] in first:
-            raise ManifestError(
-                f"duplicate composite_id {row['composite_id']!r}: {first[row['composite_id']]} and {where}"
-            )
-        first[row["composite_id"]] = where
+    _check_unique(checked)
     unknown = sorted({row["prompt_id"] for _, row in checked} - prompt_ids)
     if unknown:
         raise ArtifactError(f"import manifest: prompt_id(s) not in prompts: {unknown[:5]}")
@@ -305,13 +387,8 @@ def import_composites(
     for where, row in checked:
         cid, path = row["composite_id"], row["path"]
         try:
-            try:
-                data = path.read_bytes()
-            except OSError as exc:
-                raise ManifestRowError(where, f"field 'file': cannot read {str(path)!r} ({exc})",
-                                       composite_id=cid, field="file", file=row["file"]) from exc
-            image, info = load_image(data, what=f"{where}: composite {cid!r} (file {path})",
-                                     max_pixels=cfg.max_pixels)
+            image, info = _load_row(where, row, folder, cfg.max_pixels,
+                                    None if layouts is None else layouts.get(row["prompt_id"]))
         except (ImageDecodeError, ManifestRowError) as exc:
             if strict:
                 raise

@@ -14,38 +14,51 @@ Two sources (``edits.source``):
 * ``import``: the GEdit-Bench layout (``stepfun-ai/GEdit-Bench``): a Parquet file (the
   ``datasets`` export: ``key``, ``task_type``, ``instruction``, ``instruction_language``,
   ``input_image`` as ``{bytes, path}``) or a jsonl file whose ``input_image`` is a path relative
-  to the file. ``edits.import.languages`` keeps only those instruction languages; then, as the
-  reference's ``dataset/GEdit-Bench/preprocess.py``, ``random.seed(split_seed)`` +
+  to the file, inside the file's folder (:func:`paco.core.io.dataset_path`: no absolute path, no
+  ``..`` out of it, no symlink to elsewhere) and read with a byte bound
+  (:func:`paco.core.io.image_file_byte_limit`). ``edits.import.languages`` keeps only those instruction languages,
+  compared case-insensitively (the benchmark writes ``en`` / ``cn``); the rows it leaves out are
+  counted per language (``skipped_by_language``). Then, as the reference's
+  ``dataset/GEdit-Bench/preprocess.py``, ``random.seed(split_seed)`` +
   ``random.sample(range(n), test_items)`` pick the test items and the rest is train.
-  ``target_image`` is null. ``key``, ``instruction`` and ``input_image`` are required;
-  ``instruction_language`` defaults to ``en`` and ``task_type`` to empty when a row has none
-  (the reference uses neither beyond the language filter).
+  ``target_image`` is null. ``key`` (a string, or an integer kept exactly: ``0`` is a key),
+  ``instruction`` and ``input_image`` are required; ``instruction_language`` defaults to ``en``
+  and ``task_type`` to empty when a row has none (the reference uses neither beyond the language
+  filter).
 
-A malformed row (missing or blank instruction, unreadable image, bad language) raises
-:class:`EditsError` naming the file, the row and the reason; with ``edits.strict: false`` it is
-skipped and reported (``skipped``), never dropped silently.
+A malformed row (a missing, null or float key, a missing or blank instruction, an unreadable or
+outside image, a bad language, a jsonl line that is not UTF-8 or not JSON) raises
+:class:`EditsError` naming the file, the row (or line) and the reason; with ``edits.strict: false``
+it is skipped and reported (``skipped``), never dropped silently. A file that is not readable
+Parquet is an error naming it, whatever ``strict`` says.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 from PIL import Image, ImageOps
 
-from paco.core.io import ArtifactError, ImageDecodeError, decode_image, encode_image
+from paco.core.io import (ArtifactError, ImageDecodeError, decode_image, encode_image, image_file_byte_limit, iter_text_lines,
+                          read_dataset_file)
 from paco.core.seeding import stable_seed
 from paco.data.photos import SUBJECTS, load_subject
 
 #: Columns of ``edits.parquet`` (``target_image`` may be null).
 EDIT_COLUMNS = ("item_id", "split", "source", "subject", "task_type", "instruction", "language",
                 "input_image", "target_image", "height", "width")
+#: Its image columns (``datasets`` Image cells, :func:`paco.core.io.write_parquet`).
+EDIT_IMAGE_COLUMNS = ("input_image", "target_image")
 
 
 class EditsError(ArtifactError):
@@ -148,43 +161,74 @@ def photo_edits(subjects: list[str], operations: list[str], size: int, test_phot
     return pd.DataFrame(rows, columns=list(EDIT_COLUMNS))
 
 
-def _gedit_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """``(where, row)`` of a GEdit-Bench Parquet or jsonl file; a jsonl image path is resolved
-    against the file's folder and read as bytes."""
+def _parquet_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Rows as Arrow gives them (an int column with nulls stays int and ``None``, not float)."""
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise EditsError(f"{path}: not a readable Parquet file ({exc})") from None
+    return [(f"{path}: row {i}", row) for i, row in enumerate(rows)]
+
+
+def _gedit_rows(path: Path, max_pixels: int) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` of a GEdit-Bench Parquet or jsonl file; a jsonl image path is read as bytes
+    inside the file's folder; a row that cannot be read is ``{"_error": reason}``.
+
+    Raises:
+        EditsError: a Parquet file that cannot be read, a jsonl file that cannot be opened.
+    """
     if path.suffix == ".parquet":
-        df = pd.read_parquet(path)
-        return [(f"{path}: row {i}", row) for i, row in enumerate(df.to_dict("records"))]
+        return _parquet_rows(path)
+    try:
+        lines = list(iter_text_lines(path))
+    except OSError as exc:
+        raise EditsError(f"{path}: cannot read ({exc.strerror or exc})") from None
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}: line {line_no}"
+    for line_no, line, error in lines:
+        where = f"{path}: line {line_no}"
+        if error is not None:
+            rows.append((where, {"_error": error}))
+            continue
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            rows.append((where, {"_error": f"not JSON ({exc})"}))
+            continue
+        if not isinstance(row, dict):
+            rows.append((where, {"_error": "not a JSON object"}))
+            continue
+        image = row.get("input_image")
+        if isinstance(image, str):
             try:
-                row = json.loads(line)
-            except ValueError as exc:
-                rows.append((where, {"_error": f"not JSON ({exc})"}))
-                continue
-            if not isinstance(row, dict):
-                rows.append((where, {"_error": "not a JSON object"}))
-                continue
-            image = row.get("input_image")
-            if isinstance(image, str):
-                target = (path.parent / image).resolve()
-                if path.parent.resolve() not in target.parents:
-                    row = {"_error": f"input_image {image!r} points outside {path.parent}"}
-                else:
-                    try:
-                        row = {**row, "input_image": {"bytes": target.read_bytes(), "path": image}}
-                    except OSError as exc:
-                        row = {"_error": f"input_image {image!r}: {exc.strerror or exc}"}
-            rows.append((where, row))
+                data = read_dataset_file(path.parent, image, what="input_image", max_bytes=image_file_byte_limit(max_pixels))
+                row = {**row, "input_image": {"bytes": data, "path": image}}
+            except ArtifactError as exc:  # outside the folder, not a regular file, too large, unreadable
+                row = {"_error": str(exc)}
+        rows.append((where, row))
     return rows
+
+
+def _gedit_key(where: str, row: dict[str, Any]) -> str:
+    """The row's ``key`` as an exact id: a string (stripped) or an integer (``0`` included)."""
+    key = row.get("key")
+    if key is None:
+        raise EditsError(f"{where}: missing key ({'null' if 'key' in row else 'no key field'})")
+    if isinstance(key, float):
+        raise EditsError(f"{where}: key {key!r} is a float; GEdit-Bench keys are strings (integers are kept as "
+                         f"they are)")
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise EditsError(f"{where}: key {key!r:.40} is a {type(key).__name__}, not a string or an integer")
+    if not str(key).strip():
+        raise EditsError(f"{where}: missing key (blank)")
+    return str(key).strip()
 
 
 def _gedit_item(where: str, row: dict[str, Any], max_pixels: int) -> dict[str, Any]:
     if "_error" in row:
         raise EditsError(f"{where}: {row['_error']}")
+    key = _gedit_key(where, row)
     instruction = row.get("instruction")
     if not isinstance(instruction, str) or not instruction.strip():
         raise EditsError(f"{where}: missing or blank instruction")
@@ -198,19 +242,22 @@ def _gedit_item(where: str, row: dict[str, Any], max_pixels: int) -> dict[str, A
         image = decode_image(cell, what=f"{where} input_image", max_pixels=max_pixels)
     except ImageDecodeError as exc:
         raise EditsError(str(exc)) from None
-    key = str(row.get("key") or "").strip()
-    if not key:
-        raise EditsError(f"{where}: missing key")
-    return {"item_id": key, "source": "gedit", "subject": "", "task_type": str(row.get("task_type") or ""),
+    path = cell.get("path") if isinstance(cell, dict) else None
+    task_type = row.get("task_type")
+    return {"item_id": key, "source": "gedit", "subject": "", "task_type": "" if task_type is None else str(task_type),
             "instruction": instruction.strip(), "language": language.strip(),
-            "input_image": encode_image(image, cell.get("path") if isinstance(cell, dict) else None),
+            "input_image": encode_image(image, path if isinstance(path, str) else None),
             "target_image": None, "height": image.height, "width": image.width}
 
 
 @dataclass
 class ImportResult:
+    """The imported items, the rows skipped as malformed (``strict: false``: ``{"where", "reason"}``)
+    and the rows left out by ``languages`` (lower-cased language -> count)."""
+
     table: pd.DataFrame
     skipped: list[dict[str, str]]
+    skipped_by_language: dict[str, int] = field(default_factory=dict)
 
 
 def import_gedit(path: str | Path, *, languages: list[str] | None, test_items: int, split_seed: int,
@@ -218,14 +265,15 @@ def import_gedit(path: str | Path, *, languages: list[str] | None, test_items: i
     """The ``import`` source (see the module docstring).
 
     Raises:
-        EditsError: a missing file, a malformed row (``strict``), duplicate keys, no item, or
-            fewer items than ``test_items``.
+        EditsError: a missing file, a Parquet file that cannot be read, a malformed row or line
+            (``strict``), duplicate keys, no item, or fewer items than ``test_items``.
     """
     path = Path(path)
     if not path.is_file():
         raise EditsError(f"edits.import.path: {path} is not a file (GEdit-Bench .parquet or .jsonl)")
-    items, skipped = [], []
-    for where, row in _gedit_rows(path):
+    wanted = None if languages is None else {lang.strip().casefold() for lang in languages}
+    items, skipped, by_language = [], [], Counter()
+    for where, row in _gedit_rows(path, max_pixels):
         try:
             item = _gedit_item(where, row, max_pixels)
         except EditsError as exc:
@@ -233,10 +281,13 @@ def import_gedit(path: str | Path, *, languages: list[str] | None, test_items: i
                 raise
             skipped.append({"where": where, "reason": str(exc)})
             continue
-        if languages is None or item["language"] in languages:
+        if wanted is None or item["language"].casefold() in wanted:
             items.append(item)
+        else:
+            by_language[item["language"].casefold()] += 1
     if not items:
-        raise EditsError(f"{path}: no editing item (languages {languages}, {len(skipped)} rows skipped)")
+        raise EditsError(f"{path}: no editing item (languages {languages}, {sum(by_language.values())} left out by "
+                         f"language, {len(skipped)} rows skipped)")
     keys = [it["item_id"] for it in items]
     dupes = sorted({k for k in keys if keys.count(k) > 1})
     if dupes:
@@ -246,4 +297,4 @@ def import_gedit(path: str | Path, *, languages: list[str] | None, test_items: i
     test = set(random.Random(split_seed).sample(range(len(items)), test_items))  # the reference's split
     for i, item in enumerate(items):
         item["split"] = "test" if i in test else "train"
-    return ImportResult(pd.DataFrame(items, columns=list(EDIT_COLUMNS)), skipped)
+    return ImportResult(pd.DataFrame(items, columns=list(EDIT_COLUMNS)), skipped, dict(sorted(by_language.items())))

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from paco.core.io import ArtifactError, ImageDecodeError, decode_image, encode_image
-from paco.data.subfigures import box_iou, crop_panels, split_grid
+from paco.data.subfigures import GridTooSmallError, box_iou, crop_panels, split_grid
 
 PANEL_COLUMNS = [
     "panel_id", "composite_id", "prompt_id", "seed", "row", "col", "index", "bbox", "image", "level",
@@ -43,7 +43,8 @@ def extract_panels(
             ``panel_bboxes`` true boxes and ``panel_levels`` drift levels).
         prompts: ``prompts.parquet`` rows (prompt_id, rows, cols).
         method, tolerance: passed to :func:`paco.data.subfigures.split_grid`.
-        strict: an undecodable composite raises; otherwise it is skipped and reported.
+        strict: an undecodable composite, or one with fewer pixels than its grid has cells,
+            raises; otherwise it is skipped and reported.
 
     Returns:
         ``(panels, report)``: the panel table (columns ``PANEL_COLUMNS``; ``bbox`` is
@@ -52,7 +53,8 @@ def extract_panels(
 
     Raises:
         ImageDecodeError: (strict) a composite image cannot be decoded; names its composite_id.
-        ArtifactError: a composite's prompt_id has no layout in ``prompts``, or its recorded
+        ArtifactError: (strict) a composite too small for its grid (names its composite_id); a
+            composite's prompt_id has no layout in ``prompts``, or its recorded
             true boxes/levels do not match the layout.
     """
     layout = prompts.set_index("prompt_id")[["rows", "cols"]]
@@ -75,7 +77,13 @@ def extract_panels(
                 raise
             skipped.append({"composite_id": cid, "reason": str(exc)})
             continue
-        boxes = split_grid(image, rows, cols, method=method, tolerance=tolerance)
+        try:
+            boxes = split_grid(image, rows, cols, method=method, tolerance=tolerance)
+        except GridTooSmallError as exc:
+            if strict:
+                raise ArtifactError(f"composite {cid}: {exc}") from exc
+            skipped.append({"composite_id": cid, "reason": str(exc)})
+            continue
         crops = crop_panels(image, boxes)
         levels = list(comp.panel_levels) if has_levels and comp.panel_levels is not None else None
         truth = list(comp.panel_bboxes) if has_truth and comp.panel_bboxes is not None else None

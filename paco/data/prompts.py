@@ -16,8 +16,8 @@ key                 required  type and meaning
 ``prompt``          yes       str. The grid prompt: a global description, then one
                               ``<panel tag>: <panel prompt>`` per panel (the tags:
                               :mod:`paco.data.panel_prompts`).
-``height``          yes       int > 0, pixels of the whole grid image.
-``width``           yes       int > 0, pixels of the whole grid image.
+``height``          yes       int in 1..:data:`MAX_IMAGE_SIDE`, pixels of the whole grid image.
+``width``           yes       int in 1..:data:`MAX_IMAGE_SIDE`, pixels of the whole grid image.
 ``layout``          yes       str ``"<ROWS>x<COLS>"`` (also ``X``, ``×``, ``⨉``), at least 2
                               panels. ROWS first: ``"1x3"`` is one row of three panels.
 ``theme``           yes       str. The user instruction the set was written from.
@@ -36,7 +36,9 @@ key                 required  type and meaning
                               one edits the previous panel into the next (the editing
                               subtasks' input, PaCo-RL §7).
 ``subject``         no        str. Our extension: the photo subject name the ``photos``
-                              composite source builds this prompt's grids from.
+                              composite source builds this prompt's grids from; one of
+                              :data:`PHOTO_SUBJECTS` (the shipped photographs). Rows without
+                              it (T2IS-Bench's own) get one picked by the ``photos`` source.
 ``split``           no        ``"train"`` or ``"test"``. Absent: the pipeline assigns one
                               with :func:`assign_split`.
 ==================  ========  ================================================================
@@ -60,8 +62,9 @@ its column), invalid JSON or a non-object line, a missing key, a wrong type or e
 string, a criterion text that is neither a string nor ``null``, a criteria dimension with no
 non-blank criterion, a bad layout, a panel tag that does not fit the layout,
 a duplicate panel position, a panel count other than rows*cols, an empty panel prompt, a
-``"<r>x<c> grid"`` in the prompt text that contradicts ``layout``, a non-positive height or
-width, an unknown split, an ``editing_prompts`` list of the wrong length, and a duplicate
+``"<r>x<c> grid"`` in the prompt text that contradicts ``layout``, a height or width that is
+not positive or above :data:`MAX_IMAGE_SIDE`, a ``subject`` that names no shipped photograph,
+an unknown split, an ``editing_prompts`` list of the wrong length, and a duplicate
 ``prompt_id``. With ``strict=False`` such rows are skipped and listed instead (see
 :func:`read_t2is_jsonl_report`); nothing is dropped silently. A file that yields no valid row
 (empty, or every row skipped) raises :class:`EmptyPromptSetError` whatever ``strict`` is.
@@ -88,6 +91,7 @@ from paco.data.photos import SUBJECTS
 
 __all__ = [
     "PROMPT_COLUMNS",
+    "MAX_IMAGE_SIDE",
     "PHOTO_SUBJECTS",
     "SPLITS",
     "T2IS_CATEGORIES",
@@ -121,6 +125,11 @@ T2IS_CATEGORIES = (
 PHOTO_SUBJECTS = tuple(SUBJECTS)
 
 SPLITS = ("train", "test")
+
+#: Largest ``height`` / ``width`` (px) a row may ask for. T2IS-Bench's grids are 512 to 1536 px a
+#: side and FLUX renders up to about 2 Mpx; 16384 leaves room for any real set while refusing
+#: sizes no generator renders (and values past int64, which the table cannot hold).
+MAX_IMAGE_SIDE = 16384
 
 _REQUIRED = ("idx", "prompt", "height", "width", "layout", "theme", "category", "task_name",
              "criteria")
@@ -172,6 +181,8 @@ def _size_field(rec: Mapping[str, Any], key: str) -> int:
         raise PromptFormatError(f"{key!r} must be an integer, got {type(v).__name__} {v!r}")
     if v <= 0:
         raise PromptFormatError(f"{key!r} must be positive, got {v}")
+    if v > MAX_IMAGE_SIDE:
+        raise PromptFormatError(f"{key!r} must be at most {MAX_IMAGE_SIDE} px, got {v}")
     return v
 
 
@@ -243,6 +254,9 @@ def parse_record(rec: Any, *, dropped_criteria: list[tuple[str, str]] | None = N
     subject = rec.get("subject")
     if subject is not None:
         subject = _str_field(rec, "subject")
+        if subject not in PHOTO_SUBJECTS:
+            raise PromptFormatError(f"'subject': unknown photo subject {subject!r} (known subjects: "
+                                    f"{sorted(PHOTO_SUBJECTS)}); leave the key out when the row has none")
 
     split = rec.get("split")
     if split is not None and split not in SPLITS:
@@ -344,6 +358,8 @@ def read_t2is_jsonl_report(path: str | Path, strict: bool = True) -> T2ISReadRes
                 rec = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise PromptFormatError(f"invalid JSON: {e.msg} (column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # an integer past the digit limit, deep nesting
+                raise PromptFormatError(f"invalid JSON: {e}") from None
             row = parse_record(rec, dropped_criteria=dropped)
             pid = row["prompt_id"]
             if pid in first_line:

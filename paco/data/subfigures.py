@@ -65,7 +65,9 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-__all__ = ["split_grid", "crop_panels", "box_iou"]
+from paco.core.io import ArtifactError
+
+__all__ = ["GridTooSmallError", "split_grid", "crop_panels", "box_iou"]
 
 Box = tuple[int, int, int, int]
 
@@ -318,6 +320,12 @@ def _refine_axis(a: np.ndarray, axis: int, n: int, region: tuple[int, int], span
     return out if valid else spans
 
 
+class GridTooSmallError(ArtifactError):
+    """An image has fewer pixels along an axis than its grid has cells: a bad input (the
+    composites import refuses such images, ``paco.data.composites.MIN_PANEL_PX``), so an
+    :class:`~paco.core.io.ArtifactError` (and a ``ValueError``)."""
+
+
 def split_grid(image: Image.Image, rows: int, cols: int, *, method: str = "refine",
                tolerance: float = 0.08) -> list[Box]:
     """Find the ``rows x cols`` panel boxes of a composite image.
@@ -337,15 +345,15 @@ def split_grid(image: Image.Image, rows: int, cols: int, *, method: str = "refin
         box is non-empty and inside the image.
 
     Raises:
-        ValueError: rows or cols < 1, an image smaller than the grid (fewer pixels than cells
-            along an axis), an unknown method, or a tolerance outside ``(0, 0.5)``.
+        GridTooSmallError: an image smaller than the grid (fewer pixels than cells along an axis).
+        ValueError: rows or cols < 1, an unknown method, or a tolerance outside ``(0, 0.5)``.
     """
     if int(rows) != rows or int(cols) != cols or rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be integers >= 1, got rows={rows!r}, cols={cols!r}")
     rows, cols = int(rows), int(cols)
     w, h = image.size
     if w < cols or h < rows:
-        raise ValueError(f"a {w}x{h} image cannot hold a {rows}x{cols} grid of non-empty panels")
+        raise GridTooSmallError(f"a {w}x{h} image cannot hold a {rows}x{cols} grid of non-empty panels")
     if method == "equal":
         # X-GenGroup/PaCo-RL PaCo-GRPO/paco_grpo/utils.py divide_image: floor-sized cells
         cw, ch = w // cols, h // rows

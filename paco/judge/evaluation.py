@@ -21,7 +21,8 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from paco.core.io import ArtifactError, decode_image
+from paco.core.io import (ArtifactError, ImageDecodeError, dataset_path, decode_image, image_file_byte_limit,
+                          iter_text_lines, read_dataset_file)
 from paco.core.statistics import binomial_test_p, chance_summary
 from paco.judge.metrics import chance_levels, consistency_rank_metrics, order_from_scores
 
@@ -132,61 +133,99 @@ def paired_comparison(a: pd.DataFrame, b: pd.DataFrame, metric: str = "accuracy"
 # --------------------------------------------------------------------------------------------
 
 
-def read_edit_benchmark(path: str | Path) -> pd.DataFrame:
+#: the pixel bound of EditReward-Bench images when none is given: the GEdit importer's default
+#: (``edits.import.max_pixels``); stage ``reward_eval`` passes ``reward_eval.editreward_max_pixels``
+EDITREWARD_MAX_PIXELS = 4096 * 4096
+
+
+def read_edit_benchmark(path: str | Path, *, max_pixels: int = EDITREWARD_MAX_PIXELS) -> pd.DataFrame:
     """Read an editing preference benchmark in one of two layouts, by what ``path`` is.
 
     * **EditReward-Bench** (paper Table 1; ``EditScore/EditReward-Bench`` on the hub, read by the
       authors' ``PaCo-Reward/evaluation/Edit-Bench/evaluation.py`` with
       ``load_dataset(dir, split="train")``): a Parquet file or a directory of Parquet shards
-      (searched recursively, read in sorted order) with the columns :data:`EDITREWARD_COLUMNS`:
-      ``key`` (two output ids), ``instruction``, ``input_image`` (an image cell),
-      ``output_images`` (two image cells, the first the human-preferred one), ``task_type``,
-      ``dimension``. An output id names one image: rows that share it share one decoded image.
+      (searched recursively, read in sorted order; a shard must be a regular file inside the
+      directory, symlinks followed) with the columns :data:`EDITREWARD_COLUMNS`: ``key`` (two
+      output ids), ``instruction``, ``input_image`` (an image cell ``{bytes, path}`` with its
+      bytes embedded), ``output_images`` (two image cells, the first the human-preferred one),
+      ``task_type`` (a string), ``dimension``. An output id names one image: rows that share it
+      share one decoded image, and must hold the same bytes for it.
     * **jsonl** (any other file; the project's own small layout): one object per line with
       ``instruction``, ``input_image``, ``output_a``, ``output_b`` (image paths relative to the
-      file, ``output_a`` preferred), ``dimension`` and optionally ``task_type`` and ``id``.
+      file's folder, which they must not leave: :func:`paco.core.io.dataset_path`; ``output_a``
+      preferred), ``dimension`` and optionally ``task_type`` (a string) and ``id`` (a string or
+      an integer; ``line-<n>`` without one).
 
-    ``dimension`` is one of :data:`EDIT_DIMENSIONS`.
+    ``dimension`` is one of :data:`EDIT_DIMENSIONS`. Every image is decoded with ``max_pixels``
+    (checked from its header first); a jsonl image file may have at most
+    :func:`paco.core.io.image_file_byte_limit` bytes. Everything is checked here, before any scoring.
 
     Returns:
         The layout of :func:`photo_edit_benchmark`: ``instance_id`` (Parquet: ``<key a>|<key b>|
         <dimension>``; jsonl: the ``id`` or ``line-<n>``), ``item_id`` (the same), ``task_type``,
-        ``instruction``, ``input_image``, ``output_a``, ``output_b`` (PIL RGB), ``dimension``.
+        ``instruction``, ``input_image``, ``output_a``, ``output_b`` (PIL RGB), ``dimension``,
+        ``identical_outputs`` (the two outputs' encoded bytes are equal).
 
     Raises:
-        ArtifactError: a missing file or column, a row without two keys or two output images, an
-            unknown dimension, a duplicate instance, an image that does not decode (each names
-            the file and the line or row).
+        OutsideDatasetError: a jsonl image path or a Parquet shard that is absolute or leads
+            outside the benchmark's folder (``..``, a symlink).
+        ImageTooLargeError: an image of more than ``max_pixels`` pixels.
+        ArtifactError: a missing file or column, a line that is no JSON object, a field of the
+            wrong type (an image that is no image cell or path, a non-string instruction or task
+            type), a row without two keys or two output images, an output id given other bytes
+            than in an earlier row (both rows named), an unknown dimension, a duplicate instance,
+            an image that does not decode (each names the file, the line or row, and the field).
     """
     path = Path(path)
     if path.is_dir() or path.suffix == ".parquet":
-        return _read_editreward_parquet(path)
+        return _read_editreward_parquet(path, max_pixels)
     if not path.is_file():
         raise ArtifactError(f"{path}: no EditReward benchmark file")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line, error in iter_text_lines(path):
+        where = f"{path}:{n}"
+        if error is not None:
+            raise ArtifactError(f"{where}: {error}")
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ArtifactError(f"{path}:{n}: invalid JSON ({exc})") from exc
-        missing = {"instruction", "input_image", "output_a", "output_b", "dimension"} - rec.keys()
-        if missing:
-            raise ArtifactError(f"{path}:{n}: missing key(s) {sorted(missing)}")
-        for key in ("input_image", "output_a", "output_b"):
-            file = path.parent / rec[key]
-            rec[key] = decode_image(file.read_bytes() if file.is_file() else None, what=f"{path}:{n} {key}")
-        _check_dimension(rec["dimension"], f"{path}:{n}")
-        ident = str(rec.get("id") or f"line-{n}")
-        rows.append({"instance_id": ident, "item_id": ident, "task_type": str(rec.get("task_type") or ""),
-                     "instruction": str(rec["instruction"]), "input_image": rec["input_image"],
-                     "output_a": rec["output_a"], "output_b": rec["output_b"], "dimension": rec["dimension"]})
+            raise ArtifactError(f"{where}: invalid JSON ({exc})") from exc
+        rows.append(_jsonl_row(rec, where, n, path.parent, max_pixels))
     return _bench_frame(rows, path)
+
+
+def _jsonl_row(rec: Any, where: str, n: int, root: Path, max_pixels: int) -> dict[str, Any]:
+    if not isinstance(rec, dict):
+        raise ArtifactError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    missing = {"instruction", "input_image", "output_a", "output_b", "dimension"} - rec.keys()
+    if missing:
+        raise ArtifactError(f"{where}: missing key(s) {sorted(missing)}")
+    if not isinstance(rec["instruction"], str) or not rec["instruction"].strip():
+        raise ArtifactError(f"{where}: instruction must be a non-blank string, got {rec['instruction']!r}")
+    task_type = rec.get("task_type")
+    if task_type is not None and not isinstance(task_type, str):
+        raise ArtifactError(f"{where}: task_type must be a string, got {task_type!r}")
+    ident = rec.get("id")
+    if ident is not None and (isinstance(ident, bool) or not isinstance(ident, (str, int)) or ident == ""):
+        raise ArtifactError(f"{where}: id must be a string or an integer, got {ident!r}")
+    _check_dimension(rec["dimension"], where)
+    data, images = {}, {}
+    for key in ("input_image", "output_a", "output_b"):
+        what = f"{where} {key}"
+        data[key] = read_dataset_file(root, rec[key], what=what, max_bytes=image_file_byte_limit(max_pixels))
+        images[key] = decode_image(data[key], what=what, max_pixels=max_pixels)
+    ident = f"line-{n}" if ident is None else str(ident)
+    return {"instance_id": ident, "item_id": ident, "task_type": task_type or "", "instruction": rec["instruction"],
+            **images, "dimension": rec["dimension"], "identical_outputs": data["output_a"] == data["output_b"]}
 
 
 #: columns of the EditReward-Bench Parquet export (``datasets`` Image cells: ``{bytes, path}``)
 EDITREWARD_COLUMNS = ("key", "instruction", "input_image", "output_images", "task_type", "dimension")
+
+_BENCH_COLUMNS = ["instance_id", "item_id", "task_type", "instruction", "input_image", "output_a", "output_b",
+                  "dimension", "identical_outputs"]
 
 
 def _check_dimension(dimension: Any, where: str) -> None:
@@ -195,24 +234,46 @@ def _check_dimension(dimension: Any, where: str) -> None:
 
 
 def _bench_frame(rows: list[dict[str, Any]], path: Path) -> pd.DataFrame:
-    cols = ["instance_id", "item_id", "task_type", "instruction", "input_image", "output_a", "output_b", "dimension"]
-    table = pd.DataFrame.from_records(rows, columns=cols)
+    table = pd.DataFrame.from_records(rows, columns=_BENCH_COLUMNS).astype({"identical_outputs": bool})
     dup = table["instance_id"].duplicated()
     if dup.any():
         raise ArtifactError(f"{path}: duplicate instance {table.loc[dup, 'instance_id'].iloc[0]!r}")
     return table
 
 
-def _read_editreward_parquet(path: Path) -> pd.DataFrame:
-    import hashlib
+def _editreward_shards(path: Path) -> list[Path]:
+    """The Parquet file ``path``, or the shards under the directory ``path``, each a regular file
+    inside it (symlinks followed)."""
+    if not path.is_dir():
+        if not path.is_file():
+            raise ArtifactError(f"{path}: no EditReward-Bench Parquet file")
+        return [path]
+    files = sorted(path.rglob("*.parquet"))
+    if not files:
+        raise ArtifactError(f"{path}: no EditReward-Bench Parquet file")
+    for f in files:
+        dataset_path(path, f.relative_to(path), what=f"{path}: Parquet shard")
+    return files
 
+
+def _image_cell(value: Any, what: str) -> bytes:
+    """The encoded bytes of an image cell ``{bytes, path}`` (a ``datasets`` Image cell)."""
+    if not isinstance(value, dict):
+        got = "nothing" if value is None else type(value).__name__
+        raise ArtifactError(f"{what} must be an image cell {{bytes, path}} (a datasets Image), got {got}")
+    data = value.get("bytes")
+    if not isinstance(data, bytes) or not data:
+        where = f" (its path {value.get('path')!r} is not read)" if value.get("path") else ""
+        raise ImageDecodeError(f"{what}: image cell has no bytes{where}")
+    return data
+
+
+def _read_editreward_parquet(path: Path, max_pixels: int) -> pd.DataFrame:
     import pyarrow.parquet as pq
 
-    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise ArtifactError(f"{path}: no EditReward-Bench Parquet file")
-    inputs: dict[str, Image.Image] = {}   # input bytes digest -> image
-    outputs: dict[str, Image.Image] = {}  # output id -> image
+    files = _editreward_shards(path)
+    inputs: dict[str, Image.Image] = {}  # input bytes digest -> image
+    outputs: dict[str, tuple[str, Image.Image, str]] = {}  # output id -> (bytes digest, image, first row)
     rows = []
     for f in files:
         try:
@@ -225,30 +286,44 @@ def _read_editreward_parquet(path: Path) -> pd.DataFrame:
         n = 0
         for batch in pfile.iter_batches(batch_size=64, columns=list(EDITREWARD_COLUMNS)):
             for rec in batch.to_pylist():
-                where = f"{f}: row {n}"
+                rows.append(_editreward_row(rec, f"{f}: row {n}", inputs, outputs, max_pixels))
                 n += 1
-                keys, outs = rec["key"], rec["output_images"]
-                if not isinstance(keys, list) or len(keys) != 2 or not all(isinstance(k, str) and k for k in keys):
-                    raise ArtifactError(f"{where}: key must be two output ids, got {keys!r}")
-                if not isinstance(outs, list) or len(outs) != 2:
-                    raise ArtifactError(f"{where}: output_images must hold two images, got "
-                                        f"{'none' if outs is None else len(outs)}")
-                if not isinstance(rec["instruction"], str) or not rec["instruction"].strip():
-                    raise ArtifactError(f"{where}: blank instruction")
-                _check_dimension(rec["dimension"], where)
-                cell = rec["input_image"]
-                digest = hashlib.sha256((cell or {}).get("bytes") or b"").hexdigest()
-                if digest not in inputs:
-                    inputs[digest] = decode_image(cell, what=f"{where} input_image")
-                for k, out in zip(keys, outs):
-                    if k not in outputs:
-                        outputs[k] = decode_image(out, what=f"{where} output {k}")
-                ident = f"{keys[0]}|{keys[1]}|{rec['dimension']}"
-                rows.append({"instance_id": ident, "item_id": ident, "task_type": str(rec["task_type"] or ""),
-                             "instruction": rec["instruction"], "input_image": inputs[digest],
-                             "output_a": outputs[keys[0]], "output_b": outputs[keys[1]],
-                             "dimension": rec["dimension"]})
     return _bench_frame(rows, path)
+
+
+def _editreward_row(rec: dict[str, Any], where: str, inputs: dict[str, Image.Image],
+                    outputs: dict[str, tuple[str, Image.Image, str]], max_pixels: int) -> dict[str, Any]:
+    """One EditReward-Bench row, checked whole; ``inputs`` / ``outputs``: the images decoded so far."""
+    import hashlib
+
+    keys, outs = rec["key"], rec["output_images"]
+    if not isinstance(keys, list) or len(keys) != 2 or not all(isinstance(k, str) and k for k in keys):
+        raise ArtifactError(f"{where}: key must be two output ids, got {keys!r}")
+    if not isinstance(outs, list) or len(outs) != 2:
+        got = len(outs) if isinstance(outs, list) else "none" if outs is None else type(outs).__name__
+        raise ArtifactError(f"{where}: output_images must hold two images, got {got}")
+    if not isinstance(rec["instruction"], str) or not rec["instruction"].strip():
+        raise ArtifactError(f"{where}: blank instruction")
+    if not isinstance(rec["task_type"], str):
+        raise ArtifactError(f"{where}: task_type must be a string, got {rec['task_type']!r}")
+    _check_dimension(rec["dimension"], where)
+    data = _image_cell(rec["input_image"], f"{where}: input_image")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest not in inputs:
+        inputs[digest] = decode_image(data, what=f"{where} input_image", max_pixels=max_pixels)
+    digests = []
+    for k, cell in zip(keys, outs):
+        data = _image_cell(cell, f"{where} output {k}")
+        digests.append(hashlib.sha256(data).hexdigest())
+        if k not in outputs:
+            outputs[k] = (digests[-1], decode_image(data, what=f"{where} output {k}", max_pixels=max_pixels), where)
+        elif outputs[k][0] != digests[-1]:
+            raise ArtifactError(f"{where}: output id {k!r} holds other image bytes than in {outputs[k][2]} "
+                                "(an output id names one image)")
+    ident = f"{keys[0]}|{keys[1]}|{rec['dimension']}"
+    return {"instance_id": ident, "item_id": ident, "task_type": rec["task_type"], "instruction": rec["instruction"],
+            "input_image": inputs[digest], "output_a": outputs[keys[0]][1], "output_b": outputs[keys[1]][1],
+            "dimension": rec["dimension"], "identical_outputs": digests[0] == digests[1]}
 
 
 #: EditReward-Bench dimensions (paper Table 1; the benchmark's names): prompt following (PF),
@@ -273,29 +348,30 @@ def photo_edit_benchmark(edit_pairs: pd.DataFrame, split: str) -> pd.DataFrame:
     Returns:
         Rows with ``instance_id``, ``item_id``, ``task_type``, ``instruction`` (the edit),
         ``input_image``, ``output_a``, ``output_b`` (PIL; one object per distinct image, so a
-        scorer sees each once), ``dimension``; sorted by ``instance_id``. Empty if ``split`` has
-        no editing pairs.
+        scorer sees each once), ``dimension``, ``identical_outputs`` (the two candidates' encoded
+        bytes are equal); sorted by ``instance_id``. Empty if ``split`` has no editing pairs.
 
     Raises:
         ArtifactError: an image cell that does not decode (names the pair).
     """
     sel = edit_pairs[(edit_pairs["split"] == split) & ~edit_pairs["pair_id"].str.contains(r"-r[1-9]\d*$")]
-    cols = ["instance_id", "item_id", "task_type", "instruction", "input_image", "output_a", "output_b", "dimension"]
     rows = []
     for item_id, g in sel.groupby("item_id", sort=True):
         first = g.iloc[0]
         original = decode_image(first["image_a"], what=f"edit pair {first['pair_id']} image_a")
-        cands = {}
+        cands, encoded = {}, {}
         for r in g.sort_values("pair_id").to_dict("records"):
             if r["candidate"] not in cands:
                 cands[r["candidate"]] = decode_image(r["image_b"], what=f"edit pair {r['pair_id']} image_b")
+                encoded[r["candidate"]] = r["image_b"].get("bytes") if isinstance(r["image_b"], dict) else r["image_b"]
         for good, bad, dim in PHOTO_PREFERENCES:
             if good in cands and bad in cands:
                 rows.append({"instance_id": f"{item_id}-{dim}-{bad}", "item_id": item_id,
                              "task_type": str(first["task_type"]), "instruction": str(first["edit"]),
                              "input_image": original, "output_a": cands[good], "output_b": cands[bad],
-                             "dimension": dim})
-    return pd.DataFrame(rows, columns=cols).sort_values("instance_id", ignore_index=True)
+                             "dimension": dim, "identical_outputs": encoded[good] == encoded[bad]})
+    table = pd.DataFrame(rows, columns=_BENCH_COLUMNS).astype({"identical_outputs": bool})
+    return table.sort_values("instance_id", ignore_index=True)
 
 
 def edit_scores(bench: pd.DataFrame, scorer: PairScorer, *, templates: str = "bench",
@@ -311,9 +387,12 @@ def edit_scores(bench: pd.DataFrame, scorer: PairScorer, *, templates: str = "be
     size differs from the input's is resized to it first (``PIL.Image.resize``, bicubic), as the
     reference evaluation does (``Edit-Bench/evaluation.py: process_single_item``).
 
+    Args:
+        bench: :func:`read_edit_benchmark` or :func:`photo_edit_benchmark` rows.
+
     Returns:
-        ``bench``'s ``instance_id``, ``item_id``, ``task_type``, ``dimension`` with ``score_a`` and
-        ``score_b`` (float64).
+        ``bench``'s ``instance_id``, ``item_id``, ``task_type``, ``dimension``,
+        ``identical_outputs`` with ``score_a`` and ``score_b`` (float64).
 
     Raises:
         ValueError: unknown ``templates``.
@@ -347,8 +426,10 @@ def edit_scores(bench: pd.DataFrame, scorer: PairScorer, *, templates: str = "be
         return float({"consistency": sc, "prompt_following": pf}.get(r.dimension, np.sqrt(sc * pf)))
 
     rows = [{"instance_id": r.instance_id, "item_id": r.item_id, "task_type": r.task_type, "dimension": r.dimension,
-             "score_a": score(r, r.output_a), "score_b": score(r, r.output_b)} for r in bench.itertuples(index=False)]
-    return pd.DataFrame(rows, columns=["instance_id", "item_id", "task_type", "dimension", "score_a", "score_b"])
+             "identical_outputs": bool(r.identical_outputs), "score_a": score(r, r.output_a),
+             "score_b": score(r, r.output_b)} for r in bench.itertuples(index=False)]
+    return pd.DataFrame(rows, columns=["instance_id", "item_id", "task_type", "dimension", "identical_outputs",
+                                       "score_a", "score_b"])
 
 
 def edit_accuracy(scores: pd.DataFrame) -> dict[str, Any]:
@@ -358,6 +439,12 @@ def edit_accuracy(scores: pd.DataFrame) -> dict[str, Any]:
     EditReward-Bench evaluation), ``n``, and a one-sided binomial test of the strict wins against
     chance 0.5 (``p_value``, ``scipy.stats.binomtest``; instances of one item share images).
 
+    Instances whose two outputs are the same bytes (``identical_outputs``) stay in these figures,
+    as in the benchmark's own ``calculate_statistics.py``, which counts every row (a deterministic
+    scorer ties them: lost with ``>``, won with ``>=``); they are counted apart
+    (``identical_outputs``) and the strict accuracy without them is ``accuracy_distinct`` over
+    ``n_distinct`` instances (``None`` when there is none).
+
     Args:
         scores: :func:`edit_scores` rows.
     """
@@ -365,9 +452,12 @@ def edit_accuracy(scores: pd.DataFrame) -> dict[str, Any]:
     for dim, g in scores.groupby("dimension", sort=True):
         wins = (g["score_a"] > g["score_b"]).to_numpy()
         per_task = g.assign(win=wins).groupby("task_type")["win"].mean()
+        same = g["identical_outputs"].to_numpy(dtype=bool)
         out[str(dim)] = {"accuracy": float(wins.mean()), "accuracy_ge": float((g["score_a"] >= g["score_b"]).mean()),
                          "accuracy_macro": float(per_task.mean()), "n": int(len(g)),
-                         "p_value": binomial_test_p(int(wins.sum()), len(wins), 0.5, alternative="greater")}
+                         "p_value": binomial_test_p(int(wins.sum()), len(wins), 0.5, alternative="greater"),
+                         "identical_outputs": int(same.sum()), "n_distinct": int((~same).sum()),
+                         "accuracy_distinct": float(wins[~same].mean()) if (~same).any() else None}
     return out
 
 

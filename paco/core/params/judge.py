@@ -163,6 +163,10 @@ class RewardEvalParams(_Section):
     editreward: str = Field("data/raw/editreward/bench.jsonl", description="EditReward-Bench: a directory or file of "
                             "its Parquet export (EditScore/EditReward-Bench), or the project's jsonl layout "
                             "(paco.judge.evaluation.read_edit_benchmark; read with edit_benchmark: editreward)")
+    editreward_max_pixels: int = Field(
+        4096 * 4096, ge=1, description="refuse an EditReward-Bench image with more pixels (w x h) than this, "
+        "checked from its header before decoding (a decompression-bomb guard; the GEdit importer's "
+        "edits.import.max_pixels default); Pillow's own limit, about 179 Mpx, still applies above it")
     edit_templates: Literal["reward", "bench"] = Field(
         "bench", description="editing questions: bench (edit_*_bench, the EditReward-Bench evaluation's wording) or "
         "reward (edit_sc / edit_pf, the GRPO reward's wording the judge is trained on)")
@@ -210,9 +214,11 @@ class JudgeEndpointParams(_Section):
     answer_variants: bool = Field(False, description="reference canonicalize=True: sum every top token whose "
                                   "strip().lower() text is yes / no (paco.judge.client.yes_probability)")
     concurrency: int = Field(16, ge=1, description="requests in flight")
-    timeout_s: float = Field(60.0, gt=0)
-    retries: int = Field(3, ge=0, description="the openai client's max_retries (its own backoff: 0.5 s "
-                         "doubling to 8 s, with jitter, or the server's Retry-After)")
+    timeout_s: float = Field(60.0, gt=0, description="total seconds one attempt of a judge request may take, "
+                             "however slowly the server sends (health checks: min(timeout_s, 5))")
+    retries: int = Field(3, ge=0, description="retries after the first attempt: 0.5 s doubling to 8 s with "
+                         "jitter, or the server's Retry-After up to timeout_s; redirects and other 4xx are not "
+                         "retried")
     top_logprobs: int = Field(20, ge=1, description="first tokens asked for; at most the server's --max-logprobs "
                               "(vLLM and paco.judge.serve default 20)")
     server: JudgeServerParams = Field(default_factory=JudgeServerParams)
