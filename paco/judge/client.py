@@ -11,9 +11,11 @@ among the top tokens the other counts as impossible (log-prob ``-inf``: score 1 
 the reference; when neither is, the reply is an error (the reference returns 0.0 there; a judge
 that answers neither is not a judge that says "inconsistent").
 
-Requests go through the official ``openai`` client (timeouts, retries and backoff are its own
-options). Failures never become scores: a request that still fails after ``retries`` retries
-raises :class:`JudgeError` naming the URL, the served model name and the HTTP status. A prompt too
+Requests go through the official ``openai`` client on :mod:`paco.judge.deadline_http`:
+``timeout_s`` bounds each attempt in total, redirects are refused, and the retries (counted) are
+this module's. Failures never become scores: a request that still fails after ``retries`` retries
+raises :class:`JudgeError` naming the URL, the served model name, the HTTP status and the attempts
+made; so does a reply with invalid log-probs or more top entries than asked for. A prompt too
 long for the judge's context (the server's 400, from ``paco.judge.serve`` or vLLM) raises
 :class:`JudgeContextLengthError` with the token count and the limit (the reference retries and
 then scores such a pair 0.0).
@@ -31,9 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +43,7 @@ from PIL import Image
 
 from paco.core.numerics import fix_numerics_env
 from paco.judge.chat import build_openai_messages, openai_error_message, openai_retries, png_bytes
+from paco.judge.deadline_http import backoff_s, deadline, http_client, httpx_module, retry_after_s
 from paco.judge.model import canonical_answer
 from paco.judge.response import NO, YES
 
@@ -103,13 +104,21 @@ def yes_probability(top_logprobs: Sequence[dict[str, Any]], *, answer_variants: 
         texts).
 
     Raises:
-        JudgeError: neither answer is among the tokens, or a log-prob is NaN.
+        JudgeError: neither answer is among the tokens, an entry is not ``{"token": str,
+            "logprob": number}``, or a log-prob is a bool, NaN, infinite or above 0 (no slack: a
+            float log-softmax is <= 0, its sum's largest term being exactly 1; a positive value
+            means logits, e.g. vLLM's ``--logprobs-mode raw_logits``).
     """
     yes, no = [], []
     for entry in top_logprobs:
+        if not isinstance(entry, dict):
+            raise JudgeError(f"invalid top_logprobs entry {entry!r:.100} (not an object)")
         token, lp = entry.get("token"), entry.get("logprob")
-        if not isinstance(lp, (int, float)) or math.isnan(lp):
-            raise JudgeError(f"invalid logprob {lp!r} for token {token!r}")
+        if not isinstance(token, str):
+            raise JudgeError(f"invalid token {token!r:.100} in a top_logprobs entry (not a string)")
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 0:
+            raise JudgeError(f"invalid logprob {lp!r:.100} for token {token!r:.100} (a log-probability is a "
+                             "finite number <= 0)")
         word = canonical_answer(token) if answer_variants else token if token in (YES, NO) else None
         if word == YES:
             yes.append(float(lp))
@@ -145,17 +154,22 @@ class JudgeClient:
         model: the served model name (``--served-model-name``).
         concurrency: requests in flight at once (a thread pool over one client; the server
             batches them).
-        timeout_s: per request (the client's ``timeout``).
-        retries: the client's ``max_retries``: connection errors, timeouts, HTTP 408, 409, 429
-            and 5xx are retried with the client's exponential backoff (0.5 s doubling to at most
-            8 s, with jitter, or the server's ``Retry-After``); other 4xx are not retried.
-        top_logprobs: how many first tokens to ask for (vLLM allows up to 20).
+        timeout_s: the total time one attempt of a request may take, from its start to the
+            reply's last byte, however slowly the server sends it (see
+            :mod:`paco.judge.deadline_http`); also the longest ``Retry-After`` a retry waits for.
+        retries: connection errors, timeouts, HTTP 408, 409, 429 and 5xx are retried after
+            :func:`~paco.judge.deadline_http.backoff_s` or the server's ``Retry-After``; one
+            longer than ``timeout_s`` ends the retries (the error says so). Other 4xx, redirects
+            (3xx: refused, never followed) and unusable replies are not retried.
+        top_logprobs: how many first tokens to ask for (vLLM allows up to 20); a reply with
+            more than one entry more (the sampled token) is an error.
         answer_variants: see :func:`yes_probability`.
         api_key: sent as ``Authorization: Bearer`` (e.g. ``vllm serve --api-key``); ``None``:
             the placeholder ``EMPTY``, which servers without a key ignore.
 
     Raises:
-        ValueError: a URL that is not http(s).
+        ValueError: a URL that is not http(s), a ``timeout_s`` that is not a positive finite
+            number, or negative ``retries``.
     """
 
     def __init__(self, base_url: str, model: str, *, concurrency: int = 8, timeout_s: float = 60.0,
@@ -169,12 +183,14 @@ class JudgeClient:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.concurrency = max(1, int(concurrency))
-        self.timeout_s = float(timeout_s)
-        self.retries = int(retries)
+        self.timeout_s, self.retries = float(timeout_s), int(retries)
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0) or self.retries < 0:
+            raise ValueError(f"judge timeout_s must be > 0 s and retries >= 0, got {timeout_s!r} and {retries!r}")
         self.top_logprobs = int(top_logprobs)
         self.answer_variants = bool(answer_variants)
-        self._client = OpenAI(base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=self.retries,
-                              timeout=self.timeout_s)
+        self._http = http_client(self.timeout_s)
+        self._client = OpenAI(base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=0,
+                              timeout=self.timeout_s, http_client=self._http)
         self.requests = 0
 
     def __repr__(self) -> str:
@@ -183,15 +199,54 @@ class JudgeClient:
     def close(self) -> None:
         self._client.close()
 
-    def _failure(self, exc: Exception, what: str) -> JudgeError:
-        """The :class:`JudgeError` for an ``openai`` exception after the client's retries."""
+    def _request(self, what: str, call: Any) -> Any:
+        """``call()`` (one request through the ``openai`` client), each attempt within ``timeout_s``,
+        retried as the class docstring says. Raises :class:`JudgeError` (:meth:`_failure`)."""
         import openai
 
-        tries = f"after {self.retries + 1} attempt(s)"
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                with deadline(self.timeout_s):
+                    return call()
+            except openai.OpenAIError as exc:
+                wait, why_not = self._retry_wait(exc, attempts)
+                if wait is None:
+                    raise self._failure(exc, what, attempts, why_not) from None
+            log.info("judge %s at %s: retry %d of %d in %.2f s", what, self.base_url, attempts, self.retries, wait)
+            time.sleep(wait)
+
+    def _retry_wait(self, exc: Exception, attempts: int) -> tuple[float | None, str]:
+        """``(seconds to wait, "")`` before retrying ``exc`` after ``attempts`` attempts, or
+        ``(None, why not)`` (``""`` where plain: not retryable, or no retries left)."""
+        import openai
+
+        status = exc.status_code if isinstance(exc, openai.APIStatusError) else None
+        retryable = openai_retries(status) if status is not None else isinstance(exc, openai.APIConnectionError)
+        if not retryable or attempts > self.retries:
+            return None, ""
+        after = retry_after_s(exc.response.headers) if status is not None else None
+        if after is not None and math.isfinite(after) and after > 0:
+            if after > self.timeout_s:
+                return None, (f"the server asked to retry after {after:g} s (Retry-After), more than "
+                              f"timeout_s={self.timeout_s:g} s: no retry")
+            return after, ""
+        return backoff_s(attempts), ""
+
+    def _failure(self, exc: Exception, what: str, attempts: int, note: str = "") -> JudgeError:
+        """The :class:`JudgeError` for an ``openai`` exception after ``attempts`` attempts."""
+        import openai
+
+        tries = f"after {attempts} attempt(s)" + (f"; {note}" if note else "")
         where = f"judge {what} at {self.base_url} (served model {self.model!r})"
         if isinstance(exc, openai.APIStatusError):
             message = openai_error_message(exc)
             status = exc.status_code
+            if 300 <= status < 400:
+                location = exc.response.headers.get("location")
+                return JudgeError(f"{where} refused a redirect (HTTP status {status}) to {location!r}: redirects "
+                                  "are not followed; set the judge URL to the server that answers")
             refusal = _context_refusal(message) if status == 400 else None
             if refusal is not None:
                 n, limit = refusal
@@ -204,7 +259,8 @@ class JudgeClient:
             return JudgeError(f"{where} failed (HTTP status {status}{', ' + tries if retried else ', not retried'})"
                               f": {message}")
         if isinstance(exc, openai.APITimeoutError):
-            return JudgeError(f"{where} failed (no HTTP response: timed out after {self.timeout_s:g} s, {tries})")
+            return JudgeError(f"{where} failed (timed out: no complete HTTP response within "
+                              f"timeout_s={self.timeout_s:g} s, {tries})")
         if isinstance(exc, openai.APIConnectionError):
             cause = exc.__cause__ or exc
             return JudgeError(f"{where} failed (no HTTP response: cannot connect, {tries}): "
@@ -215,14 +271,9 @@ class JudgeClient:
         """Model ids from ``GET /v1/models``.
 
         Raises:
-            JudgeError: unreachable after the retries, or a malformed reply.
+            JudgeError: unreachable after the retries, or a redirect (not followed).
         """
-        import openai
-
-        try:
-            return [str(m.id) for m in self._client.models.list().data]
-        except openai.OpenAIError as exc:
-            raise self._failure(exc, "GET /models") from None
+        return self._request("GET /models", lambda: [str(m.id) for m in self._client.models.list().data])
 
     def check_model(self) -> None:
         """Raise :class:`JudgeError` unless the server serves ``model``."""
@@ -232,48 +283,62 @@ class JudgeClient:
                              "(check judge_endpoint.served_model_name / --served-model-name)")
 
     def health(self) -> dict[str, Any]:
-        """``GET /health`` at the server root (one try, not an OpenAI route: plain HTTP).
+        """``GET /health`` at the server root (one try, plain HTTP), complete within
+        ``min(timeout_s, 5)`` seconds in all.
 
         Raises:
-            JudgeError: unreachable, or not healthy (the server's status is in the message).
+            JudgeError: unreachable, too slow, a redirect (not followed), not JSON, or not
+                healthy (the server's status is in the message).
         """
+        httpx = httpx_module()
         url = f"{_root(self.base_url)}/health"
+        limit = min(self.timeout_s, 5.0)
         try:
-            with urllib.request.urlopen(url, timeout=min(self.timeout_s, 5.0)) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise JudgeError(f"judge health check {url}: HTTP {exc.code}: {exc.read()[:300]!r}") from None
-        except (OSError, ValueError) as exc:
+            with deadline(limit):
+                resp = self._http.get(url, timeout=limit)
+        except httpx.TimeoutException:
+            raise JudgeError(f"judge health check {url} timed out: no complete reply within {limit:g} s") from None
+        except httpx.HTTPError as exc:
             raise JudgeError(f"judge health check {url} failed: {type(exc).__name__}: {exc}") from None
+        if 300 <= resp.status_code < 400:
+            raise JudgeError(f"judge health check {url} refused a redirect (HTTP status {resp.status_code}) to "
+                             f"{resp.headers.get('location')!r}: redirects are not followed")
+        if resp.status_code >= 400:
+            raise JudgeError(f"judge health check {url}: HTTP {resp.status_code}: {resp.content[:300]!r}")
         try:
-            obj = json.loads(body)
+            obj = json.loads(resp.content)
         except ValueError:
-            raise JudgeError(f"judge health check {url}: not JSON: {body[:200]!r}") from None
+            raise JudgeError(f"judge health check {url}: not JSON: {resp.content[:200]!r}") from None
         return obj if isinstance(obj, dict) else {}
 
     def _score_one(self, request: tuple[bytes, bytes, str]) -> float:
-        import openai
-
         png_a, png_b, text = request
+        messages = build_openai_messages(png_a, png_b, text)
+
+        def call() -> bytes:  # the raw body: the openai types would read `false` as 0.0, "-1" as -1.0
+            raw = self._client.chat.completions.with_raw_response.create(
+                model=self.model, messages=messages, max_tokens=1, temperature=0.0, logprobs=True,
+                top_logprobs=self.top_logprobs)
+            return raw.http_response.content
+
+        body = self._request("POST /chat/completions", call)
+        where = f"reply from {self.base_url}/chat/completions (served model {self.model!r})"
         try:
-            completion = self._client.chat.completions.create(
-                model=self.model, messages=build_openai_messages(png_a, png_b, text), max_tokens=1,
-                temperature=0.0, logprobs=True, top_logprobs=self.top_logprobs)
-        except openai.OpenAIError as exc:
-            raise self._failure(exc, "POST /chat/completions") from None
-        except ValueError as exc:  # a body declared JSON that is not (the client's json.loads)
-            raise JudgeError(f"malformed reply from {self.base_url}/chat/completions (served model "
-                             f"{self.model!r}): {exc}") from None
+            obj = json.loads(body)
+        except ValueError as exc:
+            raise JudgeError(f"malformed {where}: not JSON ({exc}): {body[:200]!r}") from None
         try:
-            top = completion.choices[0].logprobs.content[0].top_logprobs
-            entries = [{"token": t.token, "logprob": t.logprob} for t in top]
-        except (AttributeError, IndexError, TypeError) as exc:
-            raise JudgeError(f"reply from {self.base_url}/chat/completions has no first-token top_logprobs "
-                             f"({exc!r}): {str(completion)[:200]}") from None
+            top = obj["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise JudgeError(f"{where} has no first-token top_logprobs ({exc!r}): {body[:200]!r}") from None
+        if not isinstance(top, list) or len(top) > self.top_logprobs + 1:
+            got = f"{len(top)} top_logprobs entries" if isinstance(top, list) else f"top_logprobs {type(top).__name__}"
+            raise JudgeError(f"{where}: {got} for the first token, but {self.top_logprobs} were asked for (a list, "
+                             "of at most one more: the sampled token)")
         try:
-            return yes_probability(entries, answer_variants=self.answer_variants)
+            return yes_probability(top, answer_variants=self.answer_variants)
         except JudgeError as exc:
-            raise JudgeError(f"{self.base_url}/chat/completions: {exc}") from None
+            raise JudgeError(f"{where}: {exc}") from None
 
     def score(self, triples: Sequence[tuple[Image.Image, Image.Image, str]]) -> list[float]:
         """``P(Yes)/(P(Yes)+P(No))`` per triple, in input order, floats in [0, 1].
@@ -440,6 +505,9 @@ class LocalJudgeServer:
         # Scores must not depend on the machine's load or CPU model either (fix_numerics_env).
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         fix_numerics_env(env)
+        # a key the user set to reach some remote judge is not this loopback server's (which
+        # would then refuse its own stage's requests); it answers loopback Host names only
+        env.pop("PACO_JUDGE_API_KEY", None)
         with open(self._log_file, "ab") as logf:
             # vLLM runs its engine in child processes: its own session, so stopping it stops them all
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
