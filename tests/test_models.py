@@ -278,6 +278,135 @@ def test_loaders_reject_missing_or_incomplete_dirs(tiny_model_dirs, tmp_path):
         load_flux_pipeline(flux)
 
 
+def _edit_weights(path: Path, drop: int = 0, where: str = "", extra: str | None = None) -> list[str]:
+    """Rewrite the safetensors file ``path`` without its first ``drop`` tensors whose name
+    contains ``where`` (and with an ``extra`` tensor); the names dropped."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path)
+    gone = sorted(k for k in weights if where in k)[:drop]
+    for k in gone:
+        del weights[k]
+    if extra:
+        weights[extra] = torch.zeros(2)
+    save_file(weights, path, metadata={"format": "pt"})
+    return gone
+
+
+def _load_family(family: str, path: Path):
+    from paco.grpo.policies import policy_class
+    from paco.models.loading import load_pipeline
+
+    cls = policy_class(family)
+    return load_pipeline(path, cls.pipeline_class, cls.components, overrides=cls.component_overrides(path))
+
+
+def test_weights_that_do_not_match_the_model_are_refused_by_name(tiny_model_dirs, tmp_path):
+    """A missing tensor used to be random-initialised with a log line ('newly initialized') and
+    an unexpected one dropped; every role refuses both now, naming them (the list capped)."""
+    from paco.models.loading import WeightsMismatchError
+
+    judge = materialise("judge_base", str(tiny_model_dirs["judge_base"]), tmp_path / "judge", seed=0)
+    gone = _edit_weights(judge / "model.safetensors", 12, ".mlp.", extra="model.surplus.weight")
+    with pytest.raises(WeightsMismatchError) as err:
+        load_judge(judge)
+    msg = str(err.value)
+    assert str(judge) in msg and "12 missing" in msg and "1 unexpected" in msg and "surplus" in msg
+    assert sum(k.split(".", 1)[1] in msg for k in gone) == 10 and "and 2 more" in msg, msg
+    clip = materialise("clip", str(tiny_model_dirs["clip"]), tmp_path / "clip", seed=0)
+    gone = _edit_weights(clip / "model.safetensors", 1, "vision_model.encoder.layers.0.")
+    with pytest.raises(WeightsMismatchError, match=rf"clip.*1 missing.*{gone[0]}"):
+        load_clip(clip)
+    cases = [("flux", "policy_t2is", "transformer/diffusion_pytorch_model.safetensors", 1, None),
+             ("flux_kontext", "policy_kontext", "vae/diffusion_pytorch_model.safetensors", 0, "decoder.surplus"),
+             ("flux", "policy_t2is", "text_encoder_2/model.safetensors", 1, None),
+             ("qwen_image_edit", "policy_qwen_edit", "text_encoder/model.safetensors", 1, None),
+             ("qwen_image_edit", "policy_qwen_edit", "transformer/diffusion_pytorch_model.safetensors", 0, "x.y")]
+    for i, (family, role, file, drop, extra) in enumerate(cases):
+        pipe_dir = materialise(role, str(tiny_model_dirs[role]), tmp_path / f"pipe{i}", seed=0)
+        gone = _edit_weights(pipe_dir / file, drop, "", extra)
+        component = file.split("/")[0]
+        with pytest.raises(WeightsMismatchError) as err:
+            _load_family(family, pipe_dir)
+        msg = str(err.value)
+        assert str(pipe_dir / component) in msg and all(k.rsplit(".", 2)[-2] in msg for k in gone), msg
+        assert (extra or "") in msg
+
+
+def test_intentionally_absent_tied_weights_are_not_reported(tiny_model_dirs, tmp_path):
+    """Tied weights are written once: T5's encoder embedding (FLUX's text_encoder_2) and a
+    judge whose lm_head is its embedding. Neither is a missing tensor; every default loads."""
+    judge = materialise("judge_base", str(tiny_model_dirs["judge_base"]), tmp_path / "judge", seed=0)
+    config = json.loads((judge / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    config.setdefault("text_config", {})["tie_word_embeddings"] = True
+    (judge / "config.json").write_text(json.dumps(config))
+    assert _edit_weights(judge / "model.safetensors", 1, "lm_head.") == ["lm_head.weight"]
+    model, _ = load_judge(judge)
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    load_judge(tiny_model_dirs["judge_base"])
+    load_clip(tiny_model_dirs["clip"])
+    for family, role in (("flux", "policy_t2is"), ("flux_kontext", "policy_kontext"),
+                         ("qwen_image_edit", "policy_qwen_edit")):
+        assert _load_family(family, tiny_model_dirs[role]).transformer is not None
+
+
+def _sharded(model: Path) -> Path:
+    """Turn ``model``'s single weights file into a one-shard index; the shard's path."""
+    from safetensors import safe_open
+
+    shard = model / "model-00001-of-00001.safetensors"
+    (model / "model.safetensors").rename(shard)
+    with safe_open(str(shard), "pt") as fh:
+        keys = list(fh.keys())
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        k: shard.name for k in keys}}))
+    return shard
+
+
+def test_unreadable_or_truncated_weights_are_named_with_the_reason(tiny_model_dirs, tmp_path):
+    """The file and the real reason, not 'No such device (os error 19)' or a header error that
+    names no file."""
+    def fresh(name: str) -> Path:
+        return materialise("judge_base", str(tiny_model_dirs["judge_base"]), tmp_path / name, seed=0)
+
+    model = fresh("truncated")
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelDirectoryError, match=rf"{model / 'model.safetensors'}.*truncated"):
+        load_judge(model)
+    model = fresh("garbage")
+    (model / "model.safetensors").write_bytes(b"hello, not weights")
+    with pytest.raises(ModelDirectoryError, match=rf"{model / 'model.safetensors'}.*not a safetensors file"):
+        load_judge(model)
+    model = fresh("dir")
+    shard = _sharded(model)
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(ModelDirectoryError, match=rf"cannot read weights file {shard}.*Is a directory"):
+        load_judge(model)
+    model = fresh("gone")
+    shard = _sharded(model)
+    shard.unlink()
+    with pytest.raises(ModelDirectoryError, match=rf"{shard.name}.*named by {model / 'model.safetensors.index.json'}"):
+        load_judge(model)
+    model = fresh("badindex")
+    _sharded(model)
+    (model / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(ModelDirectoryError, match=rf"{model / 'model.safetensors.index.json'}.*not valid JSON"):
+        load_judge(model)
+    flux = materialise("policy_t2is", str(tiny_model_dirs["policy_t2is"]), tmp_path / "flux", seed=0)
+    vae = flux / "vae" / "diffusion_pytorch_model.safetensors"
+    vae.write_bytes(vae.read_bytes()[:100])
+    with pytest.raises(ModelDirectoryError, match=rf"{vae}"):
+        load_flux_pipeline(flux)
+    if os.geteuid() != 0:  # root reads anything
+        model = fresh("unreadable")
+        (model / "model.safetensors").chmod(0)
+        with pytest.raises(ModelDirectoryError, match=rf"{model / 'model.safetensors'}.*Permission denied"):
+            load_judge(model)
+
+
 # --------------------------------------------------------------------------------------------
 # materialise
 # --------------------------------------------------------------------------------------------

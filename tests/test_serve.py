@@ -204,6 +204,7 @@ def test_unreachable_judge_fails_after_bounded_retries(dead_url):
 def test_local_server_process_lifecycle(tiny_model_dirs, tmp_path, monkeypatch):
     log = tmp_path / "server.log"
     monkeypatch.setenv("OMP_DYNAMIC", "true")  # a user's setting must not reach the server's torch
+    monkeypatch.setenv("PACO_JUDGE_API_KEY", "a-key-for-another-judge")  # nor a key for another server
     server = LocalJudgeServer(tiny_model_dirs["judge_base"], NAME, log_path=log, threads=1, max_logprobs=VOCAB)
     with pytest.raises(RuntimeError, match="not started"):
         server.wait_ready()
@@ -311,8 +312,9 @@ def test_official_client_and_raw_http_give_the_same_score(server, judge):
     a, b = images(2, seed=5)
     text = judge_instruction("two cats")
     body = json.dumps(request_body(a, b, text, VOCAB)).encode()
-    reply = _raw(srv.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    reply = _raw(srv.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\nConnection: close\r\n\r\n" + body)
     assert reply.startswith(b"HTTP/1.1 200")
     top = json.loads(reply.partition(b"\r\n\r\n")[2])["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
     official = JudgeClient(url, NAME, retries=0, top_logprobs=VOCAB).score([(a, b, text)])[0]
@@ -325,7 +327,7 @@ def test_many_concurrent_connections_are_all_answered(server):
     from concurrent.futures import ThreadPoolExecutor
 
     srv, _ = server
-    request = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     with ThreadPoolExecutor(max_workers=200) as pool:
         replies = list(pool.map(lambda _: _raw(srv.port, request), range(200)))
     assert sum(r.startswith(b"HTTP/1.1 200") for r in replies) == 200
@@ -337,7 +339,7 @@ def test_body_limits_are_answered_before_reading(judge):
     stops arriving is a 408 after the read timeout; the server keeps serving."""
     limits = ServerLimits(max_body_bytes=1 << 20, read_timeout_s=1.0)
     with JudgeServer(judge, NAME, limits=limits) as srv:
-        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         t0 = time.perf_counter()
         reply = _raw(srv.port, head + b"Content-Length: 10737418240\r\n\r\n{")
         assert reply.startswith(b"HTTP/1.1 400") and b"exceeds the limit of 1048576 bytes" in reply

@@ -278,7 +278,14 @@ class Judge:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", **kw: Any) -> Judge:
-        """Load a judge directory (``models`` or ``reward_merge`` output) with ``from_pretrained``."""
+        """Load a judge directory (``models`` or ``reward_merge`` output) with ``from_pretrained``
+        (:func:`paco.models.loading.load_judge`).
+
+        Raises:
+            paco.models.loading.ModelDirectoryError: the directory, a file or a readable,
+                complete weights file is missing.
+            paco.models.loading.WeightsMismatchError: the checkpoint's tensors are not the model's.
+        """
         from paco.models.loading import load_judge
 
         model, processor = load_judge(path, dtype=dtype)

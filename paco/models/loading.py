@@ -12,11 +12,22 @@ Classes are chosen so that nothing needs torchvision (docs/architecture.md §10)
   image processor is always the PIL/numpy ``Qwen2VLImageProcessorPil``, also where torchvision
   is installed, so preprocessing is bit-identical on every machine;
 * CLIP's image processor is always ``CLIPImageProcessorPil``, for the same reason.
+
+Weights are checked before and after loading, for every role (judge, CLIP, each torch
+component of a diffusers pipeline): every weights file a directory names (the single file or
+each shard of its index) must be readable and a complete safetensors file
+(:class:`ModelDirectoryError` naming the file and the reason), and the checkpoint's tensors
+must be exactly the model's (:class:`WeightsMismatchError` naming the missing, unexpected and
+mis-shaped tensors). transformers and diffusers would otherwise random-initialise a missing
+tensor with a log line and drop an unexpected one. Tensors a model does not store
+(tied embeddings) are not missing.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,7 +38,24 @@ from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProce
 
 
 class ModelDirectoryError(FileNotFoundError):
-    """A model directory is missing or lacks a file a loader needs."""
+    """A model directory is missing, lacks a file a loader needs, or has a weights file that
+    cannot be read or is not a complete safetensors file (the message names the file)."""
+
+
+class WeightsMismatchError(ValueError):
+    """A checkpoint's tensors are not the model's: tensors the model needs are missing (they
+    would be randomly initialised), tensors it does not know are present, or shapes differ. The
+    message names them (at most :data:`MAX_LISTED_TENSORS` of each kind)."""
+
+
+#: how many tensor names of each kind a :class:`WeightsMismatchError` lists
+MAX_LISTED_TENSORS = 10
+
+#: weights files a transformers / diffusers model directory may have, then their indices
+_WEIGHT_FILES = ("model.safetensors", "diffusion_pytorch_model.safetensors", "pytorch_model.bin")
+_WEIGHT_INDICES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json",
+                   "pytorch_model.bin.index.json")
+_MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own bound on the JSON header
 
 
 def _check_dir(path: str | Path, what: str, required: list[str], any_of: list[list[str]] = ()) -> Path:
@@ -46,6 +74,135 @@ def _check_dir(path: str | Path, what: str, required: list[str], any_of: list[li
 
 
 _WEIGHTS = ["model.safetensors", "model.safetensors.index.json"]
+
+
+def _check_safetensors(file: Path, what: str) -> None:
+    """Raise :class:`ModelDirectoryError` unless ``file`` can be read and is a complete
+    safetensors file (its header parses and every tensor's bytes are in the file)."""
+    try:
+        with open(file, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > min(size - 8, _MAX_SAFETENSORS_HEADER):
+                raise ModelDirectoryError(f"{what}: weights file {file} is not a safetensors file (its {size} bytes "
+                                          "do not start with a header length that fits)")
+            header = fh.read(n)
+    except OSError as exc:
+        if isinstance(exc, ModelDirectoryError):
+            raise
+        raise ModelDirectoryError(f"{what}: cannot read weights file {file}: {exc.strerror or exc} "
+                                  f"({type(exc).__name__})") from None
+    try:
+        entries = json.loads(header)
+        end = max((int(v["data_offsets"][1]) for k, v in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise ModelDirectoryError(f"{what}: weights file {file} is not a safetensors file (its header is not the "
+                                  "JSON table of tensors)") from None
+    if 8 + n + end > size:
+        raise ModelDirectoryError(f"{what}: weights file {file} is truncated: its tensors need {8 + n + end} bytes, "
+                                  f"the file has {size}")
+
+
+def _check_readable(file: Path, what: str) -> None:
+    try:
+        with open(file, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        raise ModelDirectoryError(f"{what}: cannot read weights file {file}: {exc.strerror or exc} "
+                                  f"({type(exc).__name__})") from None
+
+
+def _index_shards(index: Path, what: str) -> list[Path]:
+    """The shard files ``index`` (a ``*.index.json``) names, each checked to exist as a file
+    beside it."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except OSError as exc:
+        raise ModelDirectoryError(f"{what}: cannot read weights index {index}: {exc.strerror or exc} "
+                                  f"({type(exc).__name__})") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ModelDirectoryError(f"{what}: weights index {index} is not valid JSON with a 'weight_map' of tensor "
+                                  f"name -> shard file ({type(exc).__name__}: {exc})") from None
+    shards = []
+    for name in names:
+        rel = Path(name) if isinstance(name, str) else None
+        if rel is None or not name or rel.is_absolute() or ".." in rel.parts:
+            raise ModelDirectoryError(f"{what}: weights index {index} names the shard {name!r}, not a file beside it")
+        if not (index.parent / rel).exists():
+            raise ModelDirectoryError(f"{what}: weights file {name} named by {index} does not exist "
+                                      f"({index.parent / rel})")
+        shards.append(index.parent / rel)
+    return shards
+
+
+def check_weight_files(path: str | Path, what: str) -> list[Path]:
+    """Check every weights file of the model directory ``path``: its single weights file(s) and
+    every shard its index(es) name; return them.
+
+    Raises:
+        ModelDirectoryError: a file cannot be read (the reason: permission, a folder, ...), an
+            index is not valid JSON or names a shard that is missing, or a safetensors file is
+            not one or is truncated. The message names the file.
+    """
+    path = Path(path)
+    files = [path / f for f in _WEIGHT_FILES if (path / f).exists() or (path / f).is_symlink()]
+    for index in _WEIGHT_INDICES:
+        if (path / index).exists() or (path / index).is_symlink():
+            files += _index_shards(path / index, what)
+    for file in dict.fromkeys(files):
+        if file.name.endswith(".safetensors"):
+            _check_safetensors(file, what)
+        else:
+            _check_readable(file, what)
+    return files
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:MAX_LISTED_TENSORS])
+    more = len(names) - MAX_LISTED_TENSORS
+    return f"[{shown}{f', ... and {more} more' if more > 0 else ''}]"
+
+
+def check_loading_info(info: Mapping[str, Any], what: str, path: str | Path, model_class: str) -> None:
+    """Raise :class:`WeightsMismatchError` unless ``info`` (transformers' or diffusers'
+    ``output_loading_info``) reports no missing, unexpected or mis-shaped tensor and no error.
+
+    Raises:
+        WeightsMismatchError: naming ``what``, ``path``, ``model_class`` and the tensors.
+    """
+    def name(entry: Any) -> str:
+        if isinstance(entry, (tuple, list)) and entry:
+            return f"{entry[0]} {' vs '.join(str(tuple(s)) for s in entry[1:])}".strip()
+        return str(entry)
+
+    missing = sorted(str(k) for k in info.get("missing_keys") or ())
+    unexpected = sorted(str(k) for k in info.get("unexpected_keys") or ())
+    mismatched = sorted(name(k) for k in info.get("mismatched_keys") or ())
+    errors = [str(e) for e in info.get("error_msgs") or ()]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s), which would be randomly initialised: {_listed(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s), which would be dropped: {_listed(unexpected)}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensor(s) of another shape (checkpoint vs model): {_listed(mismatched)}")
+    if errors:
+        problems.append(f"loading errors: {_listed(errors)}")
+    if problems:
+        raise WeightsMismatchError(f"{what}: the weights in {path} do not match {model_class}: " + "; ".join(problems)
+                                   + ". Refusing to load them: was the directory written by another model or "
+                                   "version, or copied only in part?")
+
+
+def _from_pretrained_checked(cls: Any, path: Path, what: str, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(path, local_files_only=True, **kwargs)`` with its weights checked
+    (:func:`check_weight_files`, :func:`check_loading_info`)."""
+    check_weight_files(path, what)
+    model, info = cls.from_pretrained(str(path), local_files_only=True, output_loading_info=True, **kwargs)
+    check_loading_info(info, what, path, cls.__name__)
+    return model
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,15 +300,15 @@ def load_judge(path: str | Path, dtype: torch.dtype = torch.float32):
         has shape ``(batch, seq, vocab_size)``.
 
     Raises:
-        ModelDirectoryError: ``path`` is missing or lacks ``config.json``, weights or processor.
+        ModelDirectoryError: ``path`` is missing or lacks ``config.json``, weights or processor,
+            or a weights file cannot be read or is incomplete (:func:`check_weight_files`).
+        WeightsMismatchError: the checkpoint's tensors are not the model's.
     """
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     path = _check_dir(path, "judge", ["config.json"], [_WEIGHTS])
     processor = load_qwen_vl_processor(path)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        str(path), dtype=dtype, local_files_only=True
-    )
+    model = _from_pretrained_checked(Qwen2_5_VLForConditionalGeneration, path, "judge", dtype=dtype)
     model.eval()
     return model, processor
 
@@ -171,7 +328,8 @@ def load_clip(path: str | Path):
 
     Raises:
         ModelDirectoryError: ``path`` is missing or lacks ``config.json``, weights, tokenizer or
-            image processor config.
+            image processor config, or a weights file cannot be read or is incomplete.
+        WeightsMismatchError: the checkpoint's tensors are not the model's.
     """
     from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
@@ -185,7 +343,7 @@ def load_clip(path: str | Path):
     image_processor = CLIPImageProcessorPil.from_pretrained(str(path), local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     processor = CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    model = CLIPModel.from_pretrained(str(path), local_files_only=True)
+    model = _from_pretrained_checked(CLIPModel, path, "clip")
     model.eval()
     return model, processor
 
@@ -208,6 +366,34 @@ def _diffusers_dtype(dtype: torch.dtype) -> dict[str, torch.dtype]:
     return {"dtype": dtype} if renamed else {"torch_dtype": dtype}
 
 
+def _load_torch_components(path: Path, index: Mapping[str, Any], what: str, dtype: torch.dtype,
+                           skip: set[str]) -> dict[str, Any]:
+    """The torch modules of a pipeline directory (``model_index.json``'s transformers and
+    diffusers model classes), loaded as the pipeline would (same class, dtype, sub-folder) but
+    with their weights checked; other components are left to the pipeline."""
+    import diffusers
+    import transformers
+
+    modules = {}
+    for name, spec in index.items():
+        if name.startswith("_") or name in skip or not isinstance(spec, list) or len(spec) != 2:
+            continue
+        library, class_name = spec
+        if library not in ("transformers", "diffusers") or not isinstance(class_name, str):
+            continue
+        model_class = getattr(importlib.import_module(library), class_name, None)
+        if not isinstance(model_class, type):
+            continue  # the pipeline reports an unknown class itself
+        if issubclass(model_class, transformers.PreTrainedModel):
+            kwargs: dict[str, Any] = {"dtype": dtype}
+        elif issubclass(model_class, diffusers.ModelMixin):
+            kwargs = _diffusers_dtype(dtype)
+        else:
+            continue
+        modules[name] = _from_pretrained_checked(model_class, path / name, f"{what} component {name!r}", **kwargs)
+    return modules
+
+
 def load_pipeline(path: str | Path, pipeline_class: str, components: Sequence[str],
                   dtype: torch.dtype = torch.float32, overrides: Mapping[str, Any] | None = None):
     """Load a diffusers pipeline directory as ``diffusers.<pipeline_class>``.
@@ -225,11 +411,17 @@ def load_pipeline(path: str | Path, pipeline_class: str, components: Sequence[st
         overrides: components already loaded (e.g. Qwen-Image-Edit's processor, image-only),
             passed to ``from_pretrained``.
 
+    Every torch component ``model_index.json`` names (transformer, VAE, text encoders) is loaded
+    here with its weights checked (:func:`check_weight_files`, :func:`check_loading_info`) and
+    handed to the pipeline, which loads the rest (tokenizers, scheduler).
+
     Returns:
         The pipeline on CPU with the progress bar disabled.
 
     Raises:
-        ModelDirectoryError: ``path`` is missing, lacks ``model_index.json`` or a component.
+        ModelDirectoryError: ``path`` is missing, lacks ``model_index.json`` or a component, or a
+            component's weights file cannot be read or is incomplete.
+        WeightsMismatchError: a component's checkpoint tensors are not its model's.
         ValueError: ``pipeline_class`` is not a diffusers pipeline.
     """
     import diffusers
@@ -249,7 +441,9 @@ def load_pipeline(path: str | Path, pipeline_class: str, components: Sequence[st
     if overrides:  # diffusers warns that an override is not the class model_index.json names
         df_logging.set_verbosity_error()
     try:
-        pipe = cls.from_pretrained(str(path), local_files_only=True, **_diffusers_dtype(dtype), **dict(overrides or {}))
+        modules = _load_torch_components(path, index, what, dtype, skip=set(overrides or {}))
+        pipe = cls.from_pretrained(str(path), local_files_only=True, **_diffusers_dtype(dtype), **dict(overrides or {}),
+                                   **modules)
     finally:
         df_logging.set_verbosity(level)
     pipe.set_progress_bar_config(disable=True)

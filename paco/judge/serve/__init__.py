@@ -15,8 +15,16 @@ the same protocol on a transformers backend, for CPUs, single GPUs and tests::
 request gets a forward pass of its own, so its log-probs are bit-identical however requests
 arrive (batch-invariant); the other modes trade that for speed.
 
+Who may use it: a loopback ``--host`` (the default) answers only requests addressed to a
+loopback name; ``--api-key`` (or ``PACO_JUDGE_API_KEY``) requires ``Authorization: Bearer``
+on ``/v1``, and any other ``--host`` needs one (or ``--allow-unauthenticated``); a ``POST``
+must be ``application/json``. The model is served only if its weights are exactly the model's
+(:mod:`paco.models.loading`).
+
 Modules, in the order a request meets them:
 
+* :mod:`paco.judge.serve.guard` -- the ``Host``, API-key and ``Content-Type`` checks before any
+  route, and the listening socket.
 * :mod:`paco.judge.serve.protocol` -- the wire format: the OpenAI request schema (pydantic) and
   its parsing, the images of ``data:`` URLs, the ``chat.completion`` reply and the OpenAI error
   object.
@@ -29,5 +37,5 @@ Modules, in the order a request meets them:
 * :mod:`paco.judge.serve.app` -- the FastAPI app (endpoints, errors, in-flight bound) and
   :class:`~paco.judge.serve.app.JudgeServer`, the app on uvicorn.
 * :mod:`paco.judge.serve.cli` -- the command line (``main``) and the process lifetime
-  (``--parent-pid``, SIGTERM / SIGINT); ``python -m paco.judge.serve`` runs it.
+  (``--parent-pid``, SIGTERM / SIGINT / SIGHUP); ``python -m paco.judge.serve`` runs it.
 """

@@ -14,7 +14,9 @@ Endpoints:
 
 A request's body is read here, prepared on the server's thread pool
 (:mod:`paco.judge.serve.preparation`), scored by the worker (:mod:`paco.judge.serve.batching`);
-what it may cost is bounded by :class:`paco.judge.serve.limits.ServerLimits`.
+what it may cost is bounded by :class:`paco.judge.serve.limits.ServerLimits`. Before any route,
+:class:`paco.judge.serve.guard.RequestGuard` checks ``Host`` (DNS rebinding), the API key and
+``Content-Type``.
 
 Errors are OpenAI error objects (:func:`paco.judge.serve.protocol.error_body`): a malformed
 request is a 400 with the reason, an unknown model name a 404 (vLLM's behaviour), an input the
@@ -29,13 +31,17 @@ from the queue (not computed later). The server keeps running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -44,6 +50,7 @@ from starlette.requests import ClientDisconnect
 
 from paco.judge.model import JudgeContextError
 from paco.judge.serve.batching import BatchingJudge
+from paco.judge.serve.guard import RequestGuard, is_loopback_name, listen_socket
 from paco.judge.serve.limits import ServerLimits
 from paco.judge.serve.preparation import RequestPreparer
 from paco.judge.serve.protocol import MAX_TOP_LOGPROBS, BadRequest, completion_response, error_body
@@ -214,9 +221,13 @@ class _Routes:
 
 
 def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, max_wait_ms: float = 10.0,
-             max_logprobs: int = MAX_TOP_LOGPROBS, batching: str = "auto", limits: ServerLimits | None = None):
+             max_logprobs: int = MAX_TOP_LOGPROBS, batching: str = "auto", limits: ServerLimits | None = None,
+             api_key: str | None = None, check_host: bool = False):
     """The FastAPI app serving ``judge``; ``app.state.batcher`` holds the worker and its counters
-    (call ``app.state.batcher.close()`` when done).
+    (call ``app.state.batcher.close()`` when done), ``app.state.stats`` the request counters.
+
+    ``api_key`` and ``check_host`` are :class:`paco.judge.serve.guard.RequestGuard`'s (the
+    ``Content-Type`` check is always on).
 
     Raises:
         ValueError: bad batching settings.
@@ -234,6 +245,8 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
     # a copy of the tokenizer
     app.state.prepare_pool = ThreadPoolExecutor(max_workers=limits.prepare_threads, thread_name_prefix="prepare")
     routes = _Routes(batcher, prepare, app.state.prepare_pool, limits, served_model_name, max_model_len)
+    app.state.stats = routes.stats
+    app.add_middleware(RequestGuard, api_key=api_key, check_host=check_host)
     app.add_exception_handler(StarletteHTTPException, routes.http_error)
     app.add_exception_handler(RequestValidationError, routes.validation_error)
     app.get("/health")(routes.health)
@@ -242,41 +255,82 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
     return app
 
 
+#: the signals that shut the server down gracefully (a second one: at once)
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose SIGINT, SIGTERM and SIGHUP all shut down gracefully with a log
+    line (uvicorn handles the first two only, SIGHUP killed the process at once, dropping the
+    requests in flight) and are not raised again afterwards (uvicorn re-raises them: SIGINT
+    then ended in a ``KeyboardInterrupt`` traceback and exit code 1). ``stop_signal`` names the
+    signal that stopped it."""
+
+    stats: dict[str, int] = {}
+    stop_signal: str | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in SHUTDOWN_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        name = signal.Signals(sig).name
+        if self.should_exit:
+            log.warning("received %s again: stopping now, without waiting for the requests in flight", name)
+            self.force_exit = True
+            return
+        self.stop_signal = name
+        log.warning("received %s: shutting down gracefully (%d request(s) in flight are answered first, for at "
+                    "most %g s)", name, self.stats.get("in_flight", 0), self.config.timeout_graceful_shutdown)
+        self.should_exit = True
+
+
 class JudgeServer:
     """A judge app on uvicorn, bound at construction (``port=0``: a free port, see :attr:`port`).
 
     :meth:`start` serves on a background thread (tests, benchmarks); :meth:`run` serves on the
-    calling thread until SIGTERM/SIGINT or :meth:`stop`. ``batcher`` holds the counters.
+    calling thread until SIGTERM/SIGINT/SIGHUP (graceful, see :data:`SHUTDOWN_SIGNALS`) or
+    :meth:`stop`. ``batcher`` holds the counters.
 
     Args:
         judge, served_model_name, max_batch_size, max_wait_ms, max_logprobs, batching, limits:
             see :func:`make_app`.
-        host, port: where to listen.
+        host, port: where to listen; a loopback ``host`` turns the ``Host`` check on
+            (:mod:`paco.judge.serve.guard`).
+        api_key: the key the ``/v1`` routes need (``None``: none).
+        sock: a socket already listening on ``host`` (:func:`paco.judge.serve.guard.listen_socket`;
+            ``port`` is then its port); ``None``: bound here.
         backlog: the listen backlog (connections waiting to be accepted).
         max_connections: uvicorn's ``limit_concurrency`` (a 503 above it).
+
+    Raises:
+        paco.judge.serve.guard.ListenError: ``host:port`` cannot be listened on.
     """
 
     def __init__(self, judge: Any, served_model_name: str, host: str = "127.0.0.1", port: int = 0, *,
                  max_batch_size: int = 16, max_wait_ms: float = 10.0, max_logprobs: int = MAX_TOP_LOGPROBS,
                  batching: str = "auto", limits: ServerLimits | None = None, backlog: int = 2048,
-                 max_connections: int = 1024, log_level: str = "warning"):
-        import uvicorn
-
+                 max_connections: int = 1024, log_level: str = "warning", api_key: str | None = None,
+                 sock: socket.socket | None = None):
+        self.sock = sock if sock is not None else listen_socket(host, port, backlog)
         self.app = make_app(judge, served_model_name, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
-                            max_logprobs=max_logprobs, batching=batching, limits=limits)
+                            max_logprobs=max_logprobs, batching=batching, limits=limits, api_key=api_key,
+                            check_host=is_loopback_name(host))
         self.batcher: BatchingJudge = self.app.state.batcher
-        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only when the listening
-        # socket says TCP; without it every keep-alive response waits ~40 ms for a delayed ACK
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                                  socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(backlog)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level=log_level, access_log=False, lifespan="off", backlog=backlog,
                                 limit_concurrency=max_connections, timeout_keep_alive=30,
                                 timeout_graceful_shutdown=10)
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config)
+        self.server.stats = self.app.state.stats
         self._thread: threading.Thread | None = None
 
     @property
@@ -312,4 +366,3 @@ class JudgeServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-

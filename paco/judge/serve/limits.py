@@ -6,8 +6,16 @@ Each limit is checked before the model sees the request; a 400 names the limit u
   a chunked body is counted as it arrives. A body that stops arriving for ``--read-timeout-s``
   is a 408. A malformed ``Content-Length`` (negative, not a number) is refused by the HTTP
   parser (uvicorn's 400).
+* ``--max-json-values`` and ``--max-content-parts``: the body's JSON is scanned before it is
+  parsed (strings skipped whole, nothing built): more objects, arrays and separators than
+  ``--max-json-values`` anywhere in it (fields the schema ignores included), more content parts
+  than ``--max-content-parts``, or nesting deeper than 32 levels is refused before pydantic
+  builds anything (the tester's 700,000 text parts cost 2.4 s and 500 MB before).
 * ``--max-image-pixels``: width x height of each image, read from its header; decompression
-  bombs are refused without decoding.
+  bombs are refused without decoding. Only PNG, JPEG, WebP and GIF are decoded, each only as
+  the format its data URL declares.
+* ``--max-request-pixels``: the pixels of all the request's images together, read from their
+  headers before any is decoded (two 4096x4096 PNGs of 156 KB cost 1.4 s and 290 MB before).
 * context: an instruction longer in characters than ``--max-model-len`` (default: the model's
   ``max_position_embeddings``) times the vocabulary's longest token is refused without
   tokenizing; otherwise the full prompt, image tokens included, is counted exactly when the
@@ -32,6 +40,9 @@ class ServerLimits:
     Attributes:
         max_body_bytes: request body bound (bytes).
         max_image_pixels: width x height bound per image.
+        max_request_pixels: bound on the pixels of all the request's images together.
+        max_content_parts: content parts a request may have (a judge request has 3).
+        max_json_values: objects, arrays and separators (outside strings) a body may have.
         max_in_flight: accepted, unanswered requests; more are a 503.
         read_timeout_s: longest wait for the next piece of a request body (s).
         request_timeout_s: longest wait for a request's score once queued (s), then a 503.
@@ -45,6 +56,9 @@ class ServerLimits:
 
     max_body_bytes: int = 32 << 20
     max_image_pixels: int = 4096 * 4096
+    max_request_pixels: int = 4096 * 4096
+    max_content_parts: int = 8
+    max_json_values: int = 256
     max_in_flight: int = 256
     read_timeout_s: float = 30.0
     request_timeout_s: float = 300.0

@@ -3,10 +3,12 @@ the worker's input, and :class:`ImageFeatureCache` keeps the image features a gr
 panels hit.
 
 The handler (asyncio, :mod:`paco.judge.serve.app`) reads the body under a size bound and a
-per-read timeout, then, on a thread of the server's pool, validates it, decodes both images
-(pixel bound checked from the header, before decoding), bounds the instruction's tokens and
-encodes the request with the judge's processor (:meth:`paco.judge.model.Judge.encode`, whose
-exact prompt length is checked against the context). Only then is it queued for the one worker
+per-read timeout, then, on a thread of the server's pool, scans its JSON (size bounds, nothing
+built), validates it, decodes both images (each in the format its data URL declares; the pixel
+bounds, per image and per request, checked from the headers before decoding), bounds the
+instruction's tokens and encodes the request with the judge's processor
+(:meth:`paco.judge.model.Judge.encode`, whose exact prompt length is checked against the
+context). Only then is it queued for the one worker
 thread that owns the model (:class:`paco.judge.serve.batching.BatchingJudge`), so the worker does
 nothing but forward passes and the CPU-bound preparation of the next requests overlaps them.
 """
@@ -140,8 +142,12 @@ class RequestPreparer:
             paco.judge.model.JudgeContextError: too long for the context.
             ValueError: the processor refused the input (e.g. an extreme aspect ratio).
         """
+        limits = self.limits
         triple, top_k = parse_chat_request(body, self.served_model_name, max_logprobs=self.max_logprobs,
-                                           max_image_pixels=self.limits.max_image_pixels, decoded=self.decoded)
+                                           max_image_pixels=limits.max_image_pixels,
+                                           max_request_pixels=limits.max_request_pixels,
+                                           max_content_parts=limits.max_content_parts,
+                                           max_json_values=limits.max_json_values, decoded=self.decoded)
         self.check_text(triple[2])
         if not self.encode:
             return triple, top_k, None
