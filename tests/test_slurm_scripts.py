@@ -38,7 +38,8 @@ def _status(env: dict[str, str], jobid: str = "42") -> subprocess.CompletedProce
     ("CANCELLED by 1000", "failed"), ("PREEMPTED", "failed"),
 ])
 def test_status_from_sacct(tmp_path, state, expected):
-    env = _bin(tmp_path, sacct=f'[ "$2" = 42 ] && echo "{state}"')
+    # scontrol stubbed too: a real one on PATH would ask a controller (18 s when none answers)
+    env = _bin(tmp_path, sacct=f'[ "$2" = 42 ] && echo "{state}"', scontrol="exit 1")
     assert _status(env).stdout.strip() == expected
 
 
