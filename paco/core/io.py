@@ -300,18 +300,32 @@ def load_image(
                         f"{what}: image is {im.width}x{im.height} = {n} pixels, more than "
                         f"max_pixels={max_pixels}"
                     )
-                im.load()  # forces a full decode: truncated files raise here, not later
-                mode = im.mode
-                orientation = int(im.getexif().get(0x0112, 1) or 1)
-                if orientation != 1:
-                    im = ImageOps.exif_transpose(im)
-                rgb, rescaled, flattened = _to_rgb(im, what)
+                return render_rgb(im, what)
     except Image.DecompressionBombError as exc:
         raise ImageTooLargeError(f"{what}: image too large for Pillow's decompression-bomb guard ({exc})") from exc
     except ImageDecodeError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, TypeError, KeyError) as exc:
         raise ImageDecodeError(f"{what}: cannot decode image ({exc})") from exc
+
+
+def render_rgb(im: Image.Image, what: str = "image") -> tuple[Image.Image, DecodedImageInfo]:
+    """The 8-bit RGB rendering of an opened image, as :func:`load_image` renders every file:
+    decoded in full, the EXIF orientation applied, 16-bit greyscale scaled, alpha composited
+    onto :data:`ALPHA_BACKGROUND`. For callers that open images themselves (the judge server
+    opens with one Pillow plugin and bounds pixels from the headers first).
+
+    Raises:
+        UnsupportedImageModeError: a mode with no defined 8-bit rendering.
+        OSError, SyntaxError, ValueError: Pillow's decoder on truncated or corrupt data
+            (:func:`load_image` turns them into :class:`ImageDecodeError`).
+    """
+    im.load()  # forces a full decode: truncated files raise here, not later
+    mode = im.mode
+    orientation = int(im.getexif().get(0x0112, 1) or 1)
+    if orientation != 1:
+        im = ImageOps.exif_transpose(im)
+    rgb, rescaled, flattened = _to_rgb(im, what)
     info = DecodedImageInfo(
         mode=mode, orientation=orientation if 1 <= orientation <= 8 else 1,
         rescaled_16bit=rescaled, alpha_flattened=flattened,

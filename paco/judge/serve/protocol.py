@@ -36,10 +36,10 @@ from collections import OrderedDict
 from json.decoder import scanstring
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from paco.core.io import ImageDecodeError, _to_rgb  # the RGB rendering of paco.core.io.decode_image
+from paco.core.io import ImageDecodeError, render_rgb
 
 if TYPE_CHECKING:
     from paco.judge.serve.batching import BatchingJudge
@@ -206,10 +206,7 @@ def _decode_opened(im: Image.Image, fmt: str, what: str) -> Image.Image:
     try:
         with im, warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im.load()
-            if int(im.getexif().get(0x0112, 1) or 1) != 1:
-                im = ImageOps.exif_transpose(im)
-            return _to_rgb(im, what)[0]
+            return render_rgb(im, what)[0]
     except ImageDecodeError as exc:
         raise BadRequest(_reason(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a decoder fails in many ways
