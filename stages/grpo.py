@@ -5,12 +5,12 @@ Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
     accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.grpo \\
         --params params.yaml --subtask t2is --items data/prompts/prompts.parquet \\
         --policy data/models/policy_t2is --judge data/reward_merge/model --clip data/models/clip \\
-        --lora data/grpo/t2is/lora --checkpoints data/grpo/t2is/checkpoints \\
+        --pickscore data/models/pickscore --lora data/grpo/t2is/lora --checkpoints data/grpo/t2is/checkpoints \\
         --plots data/grpo/t2is/plots --metrics data/grpo/t2is/metrics.json
 
 The judge: with ``judge_endpoint.url: null`` the main process starts ``python -m paco.judge.serve`` on the
-``--judge`` model on a free localhost port, loads CLIP while it starts, then waits for ``/health``,
-checks the served model name, and stops it on exit; with a URL (e.g. of ``vllm serve
+``--judge`` model on a free localhost port, loads CLIP and PickScore while it starts, then waits for
+``/health``, checks the served model name, and stops it on exit; with a URL (e.g. of ``vllm serve
 data/reward_merge/model --served-model-name paco-reward``) that server is checked and used. Params: ``grpo.<subtask>``
 (:class:`paco.core.params.GrpoSubtaskParams`), ``judge_endpoint``, ``subfigures`` (how grids are cut for the
 panel rewards). Writes the LoRA (diffusers format), resumable checkpoints, ``plots/train.csv``,
@@ -42,9 +42,11 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--items", type=Path, required=True,
                    help="the subtask's items: prompts.parquet (dataset prompts) or edits.parquet (dataset edits)")
     p.add_argument("--policy", type=Path, required=True, help="policy model directory (models stage)")
-    p.add_argument("--judge", type=Path, required=True, help="merged judge directory (reward_merge), served "
-                   "locally unless judge_endpoint.url is set")
+    p.add_argument("--judge", type=Path, required=True, help="judge directory: judge_endpoint.model (reward_merge's, "
+                   "or a released judge from the models stage), served locally unless judge_endpoint.url is set")
     p.add_argument("--clip", type=Path, required=True, help="CLIP model directory (models stage)")
+    p.add_argument("--pickscore", type=Path, required=True,
+                   help="PickScore model directory (models stage; loaded only for the pickscore reward)")
     p.add_argument("--lora", type=Path, required=True, help="LoRA directory to write")
     p.add_argument("--checkpoints", type=Path, required=True, help="resumable checkpoints directory")
     p.add_argument("--plots", type=Path, required=True, help="directory for train.csv / eval.csv")
@@ -67,9 +69,10 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     grpo_member = member(f"grpo@{args.subtask}", params.model_dump(mode="json", by_alias=True))
     identity = stage_identity_on_main(grpo_member, args, params, accelerator)
     try:
-        # a local judge server loads while make_reward_context imports and loads CLIP, then waits for it
+        # a local judge server loads while make_reward_context loads CLIP (and PickScore), then waits for it
         with judge_endpoint(params, args.judge, accelerator, args.checkpoints) as endpoint:
-            ctx = make_reward_context(params, endpoint, args.clip)
+            ctx = make_reward_context(params, endpoint, args.clip, args.pickscore, rewards=cfg.rewards,
+                                      device=accelerator.device)
             out = train_grpo(cfg, prompts, args.policy, ctx, identity=identity, lora_dir=args.lora,
                              checkpoints_dir=args.checkpoints, plots_dir=args.plots, accelerator=accelerator)
     except (JudgeError, RewardError) as exc:

@@ -61,6 +61,7 @@ def _launch_grpo(processes: int, params: Path, prompts: Path, dirs: dict, out: P
     cmd = ["accelerate", "launch", "--config_file", "workflow/accelerate/cpu.yaml", "--num_processes", str(processes),
            "-m", "stages.grpo", "--params", str(params), "--subtask", "t2is", "--items", str(prompts),
            "--policy", str(dirs["policy_t2is"]), "--judge", str(dirs["judge_base"]), "--clip", str(dirs["clip"]),
+           "--pickscore", str(dirs["clip"]),
            "--lora", str(out / "lora"), "--checkpoints", str(out / "ck"), "--plots", str(out / "plots"),
            "--metrics", str(out / "metrics.json")]
     env = {**os.environ, "PACO_NUM_THREADS": "1",
@@ -75,7 +76,8 @@ def test_dead_judge_url_fails_the_stage_with_the_url(tiny_model_dirs, tmp_path, 
     proc = _run("stages.grpo", [
         "--params", str(params), "--subtask", "t2is", "--items", str(_prompts(tmp_path / "prompts.parquet")),
         "--policy", str(tiny_model_dirs["policy_t2is"]), "--judge", str(tmp_path / "unused"),
-        "--clip", str(tiny_model_dirs["clip"]), "--lora", str(out / "lora"), "--checkpoints", str(out / "ck"),
+        "--clip", str(tiny_model_dirs["clip"]), "--pickscore", str(tiny_model_dirs["clip"]),
+        "--lora", str(out / "lora"), "--checkpoints", str(out / "ck"),
         "--plots", str(out / "plots"), "--metrics", str(out / "metrics.json")])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert url in proc.stderr and "2 attempt(s)" in proc.stderr
@@ -85,7 +87,8 @@ def test_dead_judge_url_fails_the_stage_with_the_url(tiny_model_dirs, tmp_path, 
 def test_unknown_subtask_is_a_params_error(tiny_model_dirs, tmp_path):
     proc = _run("stages.grpo", [
         "--params", str(_params(tmp_path)), "--subtask", "no_such_subtask", "--items", "x", "--policy", "x",
-        "--judge", "x", "--clip", "x", "--lora", "x", "--checkpoints", "x", "--plots", "x", "--metrics", "x"])
+        "--judge", "x", "--clip", "x", "--pickscore", "x", "--lora", "x", "--checkpoints", "x", "--plots", "x",
+        "--metrics", "x"])
     assert proc.returncode == 2 and "grpo.no_such_subtask does not exist" in proc.stderr
 
 
@@ -96,7 +99,8 @@ def test_a_split_typo_is_one_clear_message(tiny_model_dirs, tmp_path):
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
     proc = _run("stages.grpo", [
         "--params", str(params), "--subtask", "t2is", "--items", str(_prompts(tmp_path / "prompts.parquet")),
-        "--policy", "x", "--judge", "x", "--clip", "x", "--lora", "x", "--checkpoints", "x", "--plots", "x",
+        "--policy", "x", "--judge", "x", "--clip", "x", "--pickscore", "x", "--lora", "x", "--checkpoints", "x",
+        "--plots", "x",
         "--metrics", str(tmp_path / "m.json")])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "grpo.t2is.split 'trian' has no prompts (the prompts' splits: ['test', 'train'])" in proc.stderr
@@ -109,7 +113,7 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     g, s = tmp_path / "grpo", tmp_path / "sample"
     common = ["--params", str(params), "--subtask", "t2is", "--items", str(prompts),
               "--policy", str(tiny_model_dirs["policy_t2is"]), "--judge", str(tiny_model_dirs["judge_base"]),
-              "--clip", str(tiny_model_dirs["clip"])]
+              "--clip", str(tiny_model_dirs["clip"]), "--pickscore", str(tiny_model_dirs["clip"])]
     proc = _run("stages.grpo", common + ["--lora", str(g / "lora"), "--checkpoints", str(g / "ck"),
                                          "--plots", str(g / "plots"), "--metrics", str(g / "metrics.json")])
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -485,6 +485,75 @@ def test_hub_id_from_offline_cache(tiny_model_dirs, tmp_path, monkeypatch, offli
     assert not (tmp_path / "missing").exists()
 
 
+def _processor_source(tiny_model_dirs, root: Path) -> Path:
+    """A CLIP directory standing for ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``: another seed's
+    weights, a changed image processor (mean 0.5), an extra weights file and no
+    ``tokenizer_config.json``."""
+    src = build_tiny("clip", root, seed=1)
+    config = json.loads((src / "processor_config.json").read_text())
+    config["image_processor"]["image_mean"] = [0.5, 0.5, 0.5]
+    (src / "processor_config.json").write_text(json.dumps(config))
+    (src / "tokenizer_config.json").unlink()
+    (src / "open_clip_pytorch_model.bin").write_bytes(b"not a processor file")
+    return src
+
+
+def test_processor_from_copies_only_the_processor_files(tiny_model_dirs, tmp_path, monkeypatch, offline):
+    """``models.processor_from``: the role keeps its own weights and config and takes exactly the
+    processor files the second source has (PickScore_v1 + the ViT-H processor); from a hub id only
+    those files are fetched."""
+    from paco.models.fetch import PROCESSOR_FILES
+
+    model = tiny_model_dirs["clip"]
+    src = _processor_source(tiny_model_dirs, tmp_path / "laion")
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    cache = tmp_path / "hf_cache"
+    _fake_hub_cache(cache, "paco-test/laion", src, commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub
+
+    asked = []
+    real = huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: asked.append(kw) or real(**kw))
+    for source in (str(src), "paco-test/laion"):
+        out = materialise("pickscore", str(model), tmp_path / "out" / "pickscore", seed=0, processor_from=source)
+        got, mine, theirs = _digests(out), _digests(model), _digests(src)
+        assert set(got) == {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json"}
+        assert got["config.json"] == mine["config.json"]
+        assert got["model.safetensors"] == mine["model.safetensors"] != theirs["model.safetensors"]
+        for name in ("processor_config.json", "tokenizer.json"):
+            assert name in PROCESSOR_FILES and got[name] == theirs[name]
+        assert got["processor_config.json"] != mine["processor_config.json"]
+        _, processor = load_clip(out)
+        assert list(processor.image_processor.image_mean) == [0.5, 0.5, 0.5]
+        assert sorted(p.name for p in out.parent.iterdir()) == ["pickscore"]  # no temp dirs left behind
+    # the hub source is asked for the processor files only (the laion repo holds GBs of weights)
+    assert [(kw["repo_id"], kw["allow_patterns"]) for kw in asked] == [("paco-test/laion", list(PROCESSOR_FILES))]
+
+
+def test_processor_from_errors_are_named(tiny_model_dirs, tmp_path):
+    from paco.core.params import ParamsError, validate_params
+
+    import yaml
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["models"]["processor_from"] = {"pickscroe": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"}
+    with pytest.raises(ParamsError, match=r"models\.processor_from names unknown role\(s\) \['pickscroe'\]"):
+        validate_params(raw, source="params.yaml")
+    raw["models"]["processor_from"] = {"pickscore": " "}
+    with pytest.raises(ParamsError, match=r"models\.processor_from\.pickscore: an empty source"):
+        validate_params(raw, source="params.yaml")
+    model = tiny_model_dirs["clip"]
+    with pytest.raises(ValueError, match=r"models\.processor_from\.pickscore: local model directory .* does not exist"):
+        materialise("pickscore", str(model), tmp_path / "out", seed=0, processor_from=str(tmp_path / "no" / "dir"))
+    empty = tmp_path / "weights_only"
+    empty.mkdir()
+    (empty / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"models\.processor_from\.pickscore: .* holds none of the processor files"):
+        materialise("pickscore", str(model), tmp_path / "out", seed=0, processor_from=str(empty))
+    assert not (tmp_path / "out").exists()
+
+
 def test_models_stage_builds_every_role_the_params_name(tmp_path):
     """A further ``models:`` role (here a second FLUX policy) is built like the required ones."""
     from pathlib import Path
@@ -501,7 +570,9 @@ def test_models_stage_builds_every_role_the_params_name(tmp_path):
     code = stage.main(["--params", str(params), "--out", str(tmp_path / "models"), "--metrics", str(tmp_path / "m.json")])
     assert code == 0
     assert sorted(p.name for p in (tmp_path / "models").iterdir() if p.is_dir()) == [
-        "clip", "judge_base", "policy_extra", "policy_kontext", "policy_qwen_edit", "policy_t2is"]
+        "clip", "judge_base", "pickscore", "policy_extra", "policy_kontext", "policy_qwen_edit", "policy_t2is"]
+    # the embedded default's pickscore role is the clip role's bytes (same tiny build, same seed)
+    assert _digests(tmp_path / "models/pickscore") == _digests(tmp_path / "models/clip")
     assert (tmp_path / "models/policy_extra/model_index.json").is_file()
     index = json.loads((tmp_path / "models/policy_qwen_edit/model_index.json").read_text())
     assert index["_class_name"] == "QwenImageEditPipeline" and index["processor"] == ["transformers", "Qwen2VLProcessor"]

@@ -1,9 +1,11 @@
-"""Reward registry: panel pairs sent to the judge, CLIP-T and PickScore against direct computation."""
+"""Reward registry: panel pairs sent to the judge, CLIP-T and PickScore against direct computation
+(PickScore against the reference's formula)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from paco.core.io import ImageDecodeError
@@ -62,7 +64,7 @@ def test_clip_rewards_match_direct_clip_computation(tiny_model_dirs):
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)) for _ in range(2)]
     prompts = [_prompt("a", 2, 2), _prompt("b", 2, 2)]
-    ctx = RewardContext(clip=clip, split_method="equal")
+    ctx = RewardContext(clip=clip, pickscore=clip, split_method="equal")
     out = compute_rewards(["clip_t", "pickscore"], images, prompts, ctx)
     for i, (im, p) in enumerate(zip(images, prompts)):
         panels = ctx.panels(im, p)
@@ -89,7 +91,90 @@ def test_reward_errors_are_raised_not_defaulted():
     with pytest.raises(RewardError, match="consistency.*nan.*prompt a"):
         compute_rewards(["consistency"], [grid], [_prompt("a", 2, 2)], RewardContext(judge=NanJudge()))
     assert {"consistency", "clip_t", "pickscore"} <= set(REWARDS)
-    assert REWARDS["pickscore"] is R.pickscore_stand_in  # the CLIP stand-in keeps PickScore's reward name
+    assert REWARDS["pickscore"] is R.pickscore
+    with pytest.raises(RewardError, match="'pickscore' needs a PickScore model"):  # not CLIP in its place
+        compute_rewards(["pickscore"], [grid], [_prompt("a", 2, 2)], RewardContext(clip=object()))
+
+
+def _reference_pickscore(model_dir, prompts: list[str], images: list[Image.Image]) -> np.ndarray:
+    """X-GenGroup/PaCo-RL ``PaCo-GRPO/paco_grpo/rewards/pickscore_scorer.py`` l.12-50, as written
+    there (float32; ``get_*_features`` give an output object in transformers 5: its
+    ``pooler_output`` is the projected embedding)."""
+    import torch
+    from transformers import CLIPModel, CLIPProcessor
+
+    def features(out):
+        return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+    processor = CLIPProcessor.from_pretrained(str(model_dir))
+    model = CLIPModel.from_pretrained(str(model_dir)).eval().to(dtype=torch.float32)
+    with torch.no_grad():
+        image_inputs = processor(images=images, padding=True, truncation=True, max_length=77, return_tensors="pt")
+        text_inputs = processor(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+        image_embs = features(model.get_image_features(**image_inputs))
+        image_embs = image_embs / image_embs.norm(p=2, dim=-1, keepdim=True)
+        text_embs = features(model.get_text_features(**text_inputs))
+        text_embs = text_embs / text_embs.norm(p=2, dim=-1, keepdim=True)
+        scores = model.logit_scale.exp() * (text_embs @ image_embs.T)
+    return (scores.diag() / 26).double().numpy()
+
+
+def test_pickscore_is_the_reference_formula(tiny_model_dirs, tmp_path):
+    """The ``pickscore`` reward is the reference's PickScore on the ``pickscore`` model (whole
+    composite, whole prompt, 77-token truncation), not CLIP's: two tiny CLIPs drawn from other
+    seeds give different values and the reward follows the one in ``ctx.pickscore``."""
+    from paco.models.tiny import build_tiny
+
+    clip_dir = tiny_model_dirs["clip"]
+    pick_dir = build_tiny("clip", tmp_path / "pickscore", seed=1)
+    rng = np.random.default_rng(3)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((64, 64), (96, 64),
+                                                                                            (48, 80))]
+    long = " ".join(f"panel {k} shows a red cat on a blue chair beside a window" for k in range(12))
+    prompts = [SubtaskItem("a", "a 2x2 grid of a cat", "", 2, 2, ("p",) * 4),
+               SubtaskItem("b", "four views of a rocket at dawn", "", 2, 2, ("p",) * 4),
+               SubtaskItem("c", long, "", 2, 2, ("p",) * 4)]
+    clip = ClipScorer(clip_dir)
+    assert len(clip.processor.tokenizer(long)["input_ids"]) > 77  # truncation is exercised
+    ctx = RewardContext(clip=clip, pickscore=ClipScorer(pick_dir))
+    got = compute_rewards(["pickscore"], images, prompts, ctx)["pickscore"]
+    texts = [p.prompt for p in prompts]
+    expected = _reference_pickscore(pick_dir, texts, images)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    on_clip = _reference_pickscore(clip_dir, texts, images)
+    assert np.abs(got - on_clip).max() > 1e-3  # the clip role's weights would give other values
+
+
+def test_the_pickscore_model_loads_only_for_the_pickscore_reward(tiny_model_dirs, tmp_path, monkeypatch):
+    """``make_reward_context`` loads the ``pickscore`` directory only when a requested reward
+    needs it (PickScore_v1 is a 1 B-parameter ViT-H), and then from that directory."""
+    import paco.judge.client as client_module
+    from paco.core.params import Params
+    from paco.models.tiny import build_tiny
+
+    class FakeClient:
+        def __init__(self, url, *args, **kwargs):
+            self.url = url
+
+        def check_model(self):
+            return None
+
+    class Endpoint:
+        def url(self):
+            return "http://127.0.0.1:9/v1"
+
+    monkeypatch.setattr(client_module, "JudgeClient", FakeClient)
+    pick_dir = build_tiny("clip", tmp_path / "pickscore", seed=1)
+    params = Params()
+    ctx = R.make_reward_context(params, Endpoint(), tiny_model_dirs["clip"], tmp_path / "absent",
+                                rewards=["consistency", "clip_t"])
+    assert ctx.pickscore is None and isinstance(ctx.clip, ClipScorer)
+    ctx = R.make_reward_context(params, Endpoint(), tiny_model_dirs["clip"], pick_dir,
+                                rewards={"consistency": 0.2, "pickscore": 1.0})
+    assert isinstance(ctx.pickscore, ClipScorer)
+    weight = "text_projection.weight"
+    assert torch.equal(ctx.pickscore.model.state_dict()[weight], ClipScorer(pick_dir).model.state_dict()[weight])
+    assert not torch.equal(ctx.pickscore.model.state_dict()[weight], ctx.clip.model.state_dict()[weight])
 
 
 def test_editing_reward_from_hand_made_logprobs_through_the_official_client():

@@ -13,11 +13,12 @@ consistency    PaCo-Reward: the grid is cut into its ``rows x cols`` panels (the
                (``prompt_template_version=1``) of X-GenGroup/PaCo-RL. In [0, 1].
 clip_t         mean over panels of the CLIP cosine between panel ``k`` and its own panel prompt
                (reference ``subfig_clipT.py``). In [-1, 1].
-pickscore      CLIP score of the whole grid against the whole prompt, ``logit_scale * cosine /
-               26`` (the reference's ``pickscore_scorer.py`` divides by 26 "to 0-1"). The
-               embedded stand-in (:func:`pickscore_stand_in`): the pipeline's ``clip`` model
-               scores in place of PickScore_v1, which arrives with the paper-scale work; the
-               reward keeps the name ``pickscore`` (params and metric keys).
+pickscore      PickScore of the whole grid against the whole prompt, float32:
+               ``logit_scale.exp() * cosine(text, image) / 26`` on the ``pickscore`` model role
+               (reference ``pickscore_scorer.py`` l.17-50; it divides by 26 "to 0-1"):
+               ``yuvalkirstain/PickScore_v1`` with the ViT-H processor at paper scale, a tiny
+               CLIP (byte-identical to the ``clip`` role) in the embedded default. Roughly
+               [0.7, 0.9] for PickScore_v1 (``exp(logit_scale)`` about 100); not bounded.
 consistency_   image editing: ``sqrt(P_SC * P_PF)``, the served judge's P(Yes) for the original
 for_editing    image (first) and the edited one (second) under the semantic-consistency question
                (``edit_sc``) and the prompt-following question (``edit_pf``) with the edit
@@ -135,13 +136,16 @@ class RewardContext:
     Attributes:
         judge: anything with ``score(triples) -> list[float]`` (a
             :class:`paco.judge.client.JudgeClient`); needed by ``consistency``.
-        clip: a :class:`paco.models.clip.ClipScorer`; needed by ``clip_t`` and ``pickscore``.
+        clip: a :class:`paco.models.clip.ClipScorer`; needed by ``clip_t``.
+        pickscore: a :class:`paco.models.clip.ClipScorer` of the PickScore model; needed by
+            ``pickscore``.
         instruction: ``theme`` (the T2IS theme template, paper) or ``rank`` (theme-free).
         split_method, tolerance: how grids are cut (``subfigures`` params).
     """
 
     judge: Any = None
     clip: Any = None
+    pickscore: Any = None
     instruction: str = "theme"
     split_method: str = "refine"
     tolerance: float = 0.08
@@ -155,21 +159,35 @@ class RewardContext:
         return crop_panels(image, self.panel_boxes(image, prompt))
 
 
-def make_reward_context(params: Params, endpoint: Any, clip_dir: Path) -> RewardContext:
+#: reward name -> the ``RewardContext`` scorer it needs beyond the judge and CLIP (loaded only
+#: when a requested reward needs it: PickScore_v1 is a ViT-H, about 1 B parameters)
+PICKSCORE_REWARDS = frozenset({"pickscore"})
+
+
+def make_reward_context(params: Params, endpoint: Any, clip_dir: Path, pickscore_dir: Path, *,
+                        rewards: Iterable[str], device: Any = "cpu") -> RewardContext:
     """The reward context of a stage (``grpo``, ``final_samples``): the judge client
-    (``judge_endpoint`` params) and the CLIP scorer the rewards use, the judge instruction and the
-    grid cutting (``subfigures`` params). CLIP is loaded before waiting for the endpoint, so it
-    loads while a local judge server starts.
+    (``judge_endpoint`` params), the CLIP scorer, the PickScore scorer when one of ``rewards``
+    needs it (:data:`PICKSCORE_REWARDS`), the judge instruction and the grid cutting
+    (``subfigures`` params). The scorers load before waiting for the endpoint, so they load while
+    a local judge server starts.
 
     Args:
         params: the validated params.
         endpoint: a :class:`paco.grpo.judge_endpoint.JudgeEndpoint` (its ``url()`` waits for the judge).
-        clip_dir: the CLIP model directory (``models`` stage).
+        clip_dir: the CLIP model directory (``models`` stage, role ``clip``).
+        pickscore_dir: the PickScore model directory (``models`` stage, role ``pickscore``).
+        rewards: the names of the rewards the stage computes (a subtask's ``rewards``).
+        device: the torch device the scorers run on, in float32 as the reference's
+            ``pickscore_score(device)`` (``rewards.py``); their embeddings come back on CPU.
 
     Raises:
         paco.judge.client.JudgeError: the judge is unreachable or serves another model.
+        paco.models.loading.ModelDirectoryError: a scorer's directory is missing or incomplete.
         ParamsError: ``judge_endpoint.api_key_env`` names an unset variable.
     """
+    import torch
+
     from paco.judge.client import JudgeClient
     from paco.models.clip import ClipScorer
 
@@ -179,12 +197,15 @@ def make_reward_context(params: Params, endpoint: Any, clip_dir: Path) -> Reward
         api_key = os.environ.get(cfg.api_key_env)
         if not api_key:
             raise ParamsError(f"judge.api_key_env names {cfg.api_key_env!r}, which is not set")
-    clip = ClipScorer(clip_dir)
+    clip = ClipScorer(clip_dir, device=device, dtype=torch.float32)
+    pickscore = None
+    if PICKSCORE_REWARDS & set(rewards):
+        pickscore = ClipScorer(pickscore_dir, device=device, dtype=torch.float32)
     client = JudgeClient(endpoint.url(), cfg.served_model_name, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
                          retries=cfg.retries,
                          top_logprobs=cfg.top_logprobs, answer_variants=cfg.answer_variants, api_key=api_key)
     client.check_model()
-    return RewardContext(judge=client, clip=clip, instruction=cfg.instruction,
+    return RewardContext(judge=client, clip=clip, pickscore=pickscore, instruction=cfg.instruction,
                          split_method=params.subfigures.method, tolerance=params.subfigures.tolerance)
 
 
@@ -303,13 +324,19 @@ def clip_t(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx: R
 
 
 @register("pickscore")
-def pickscore_stand_in(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx: RewardContext
-                       ) -> np.ndarray:
-    """The ``pickscore`` reward's embedded stand-in: ``logit_scale * cosine(grid, prompt) / 26``
-    per grid with the pipeline's CLIP model (``ctx.clip``) in place of PickScore_v1 (which
-    arrives with the paper-scale work); the reference's ``/ 26`` scale. ``(n,)`` float64."""
-    clip = _need(ctx.clip, "CLIP model", "pickscore")
-    scores = clip.image_text_scores(list(images), [p.prompt for p in prompts]).double().numpy()
+def pickscore(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx: RewardContext) -> np.ndarray:
+    """PickScore of each whole grid against its whole prompt: ``logit_scale.exp() *
+    cosine(text_emb, image_emb) / 26`` with the PickScore model (``ctx.pickscore``), float32
+    embeddings, the text padded and truncated to 77 tokens with an attention mask.
+
+    Source: X-GenGroup/PaCo-RL ``PaCo-GRPO/paco_grpo/rewards/pickscore_scorer.py`` l.17-50 (the
+    normalised features, ``.diag()`` of ``logit_scale.exp() * text @ image.T``, ``/ 26``), called
+    with the whole composite and ``sample['prompt']`` (``train_flux.py`` l.121-123).
+
+    Returns ``(n,)`` float64 (about [0.7, 0.9] for PickScore_v1; not bounded). Raises
+    :class:`RewardError` when the context has no PickScore scorer."""
+    scorer = _need(ctx.pickscore, "PickScore model", "pickscore")
+    scores = scorer.image_text_scores(list(images), [p.prompt for p in prompts]).double().numpy()
     return scores / PICKSCORE_SCALE
 
 

@@ -23,9 +23,17 @@ class ModelsParams(_Section):
     A value is ``tiny:<name>`` (build a tiny random-init model offline, embedded default), a hub
     id such as ``Qwen/Qwen2.5-VL-7B-Instruct`` (``huggingface_hub.snapshot_download``), or a
     local directory (copied). The roles every run needs are ``judge_base`` (Qwen2.5-VL),
-    ``policy_t2is`` (FLUX.1) and ``clip`` (CLIP dual encoder); any further key names another
-    role (e.g. ``policy_kontext: black-forest-labs/FLUX.1-Kontext-dev``), built into
+    ``policy_t2is`` (FLUX.1), ``clip`` (CLIP dual encoder, the ``clip_t`` reward) and
+    ``pickscore`` (the CLIP dual encoder of the ``pickscore`` reward: ``yuvalkirstain/PickScore_v1``
+    at paper scale, reference ``pickscore_scorer.py`` l.8-9; ``tiny:clip`` in the embedded default,
+    built from the same seed as ``clip`` and so byte-identical to it); any further key names
+    another role (e.g. ``policy_kontext: black-forest-labs/FLUX.1-Kontext-dev``), built into
     ``data/models/<role>`` and usable as a subtask's ``policy``.
+
+    ``processor_from`` maps a role to a second source (same spec forms) whose processor and
+    tokenizer files replace the role's own (:data:`paco.models.fetch.PROCESSOR_FILES`): the
+    reference loads PickScore_v1's weights with the processor of
+    ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (``pickscore_scorer.py`` l.8-14).
     """
 
     model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=False)
@@ -34,9 +42,14 @@ class ModelsParams(_Section):
     judge_base: str = "tiny:qwen2_5_vl"
     policy_t2is: str = "tiny:flux"
     clip: str = "tiny:clip"
+    pickscore: str = "tiny:clip"
     revision: dict[str, str] = Field(default_factory=dict, description="role -> hub revision")
     allow_patterns: dict[str, list[str]] = Field(
         default_factory=dict, description="role -> snapshot_download allow_patterns"
+    )
+    processor_from: dict[str, str] = Field(
+        default_factory=dict, description="role -> the source (tiny:<name>, hub id or local directory) of its "
+        "processor and tokenizer files"
     )
 
     @model_validator(mode="after")
@@ -49,17 +62,23 @@ class ModelsParams(_Section):
                 raise ValueError(f"models.{role}: a role's source is a string (tiny:<name>, a hub id or a local "
                                  f"directory), got {spec!r}")
         roles = self.roles()
-        for what, table in (("revision", self.revision), ("allow_patterns", self.allow_patterns)):
+        for what, table in (("revision", self.revision), ("allow_patterns", self.allow_patterns),
+                            ("processor_from", self.processor_from)):
             unknown = sorted(set(table) - set(roles))
             if unknown:
                 raise ValueError(f"models.{what} names unknown role(s) {unknown} (roles: {sorted(roles)})")
+        for role, spec in self.processor_from.items():
+            if not spec.strip():
+                raise ValueError(f"models.processor_from.{role}: an empty source (tiny:<name>, a hub id or a "
+                                 "local directory)")
         return self
 
     def roles(self) -> dict[str, str]:
-        """Role name -> source spec: ``judge_base``, ``policy_t2is``, ``clip``, then the further
-        roles in name order."""
+        """Role name -> source spec: ``judge_base``, ``policy_t2is``, ``clip``, ``pickscore``, then
+        the further roles in name order."""
         extra = dict(sorted((self.model_extra or {}).items()))
-        return {"judge_base": self.judge_base, "policy_t2is": self.policy_t2is, "clip": self.clip, **extra}
+        return {"judge_base": self.judge_base, "policy_t2is": self.policy_t2is, "clip": self.clip,
+                "pickscore": self.pickscore, **extra}
 
 
 # --------------------------------------------------------------------------------------------
