@@ -39,7 +39,9 @@ from paco.core.stage import StageOutput, log, run, seed_everything
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--judge", type=Path, required=True, help="merged judge directory")
+    p.add_argument("--judge", type=Path, required=True,
+                   help="judge directory: judge_endpoint.model (reward_merge's, or a released judge from the "
+                        "models stage)")
     p.add_argument("--base", type=Path, required=True, help="base judge directory (zero-shot baseline)")
     p.add_argument("--clip", type=Path, required=True, help="clip model directory (CLIP-I baseline)")
     p.add_argument("--instances", type=Path, required=True, help="rank_instances.parquet")

@@ -187,7 +187,8 @@ def test_final_samples_score_the_base_samples_served_rewards_while_the_lora_samp
 
     _, _, out = red_run
     cfg = FinalSamplesParams.model_validate(dict(
-        resolution=64, num_steps=4, seeds_per_prompt=2, batch_size=2, max_sequence_length=32,
+        lora="data/grpo/t2is/lora", resolution=64, num_steps=4, seeds_per_prompt=2, batch_size=2,
+        max_sequence_length=32,
         rewards=["test_red_minus_blue_served", "test_red_minus_blue"]))
     _SERVED_THREADS.clear()
     table, _, metrics = final_samples(cfg, _prompts(), tiny_model_dirs["policy_t2is"], out / "lora", R.RewardContext())

@@ -1,11 +1,13 @@
 """Final sampling (stage ``final_samples@<subtask>``): the test prompts (or edit items) with and
-without the GRPO LoRA.
+without the GRPO LoRA (or a released one: ``final_samples.<subtask>.lora``).
 
 Deterministic ODE sampling (the paper's evaluation: 20 steps, 1024 px) of every test prompt,
 ``seeds_per_prompt`` seeds each (seed ``k`` of prompt ``p`` draws its noise from
 ``stable_seed(seed, "final", p, k)``, the same noise for both variants), once with the base
 policy and once with the LoRA loaded through the pipeline's own ``load_lora_weights`` (exactly
-what a user of the released LoRA does). Every image is cut into its panels (the ``subfigures``
+what a user of the released LoRA does; a PEFT-layout LoRA, as the reference trainers save it, is
+rewritten as the diffusers file first, and a LoRA the transformer takes only in part is refused:
+:func:`paco.grpo.policies.lora_io.load_lora`). Every image is cut into its panels (the ``subfigures``
 code; an edit is one panel) and scored with the configured rewards (the judge scores the base
 samples while the LoRA samples are made, :class:`paco.grpo.rewards.OverlappedRewards`); the
 metrics compare the two variants per reward with a paired t-test over samples
@@ -30,6 +32,7 @@ from paco.core.statistics import paired_t_p
 from paco.core.io import encode_image
 from paco.core.params import FinalSamplesParams
 from paco.grpo.policies import Policy, grid_size, load_policy
+from paco.grpo.policies.lora_io import load_lora
 from paco.grpo.rewards import OverlappedRewards, RewardContext, SubtaskItem, compute_rewards, subtask_items
 from paco.data.subfigures import crop_panels
 
@@ -94,6 +97,8 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
     Raises:
         ValueError: no prompt in the split. paco.grpo.rewards.RewardError /
             paco.judge.client.JudgeError: a reward failed.
+            paco.grpo.policies.lora_io.LoraLoadError: ``lora_dir`` holds no LoRA of a known layout,
+            or one the transformer takes only in part.
     """
     items, by_id = subtask_items(prompts, cfg.dataset)
     test = items[items["split"].astype(str) == cfg.split].sort_values("prompt_id")
@@ -120,7 +125,7 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
                 level = df_logging.get_verbosity()
                 df_logging.set_verbosity_error()  # "no LoRA keys for the text encoder": there are none by design
                 try:
-                    policy.pipe.load_lora_weights(str(lora_dir))
+                    load_lora(policy.pipe, lora_dir)  # diffusers or PEFT layout, loaded in full
                 finally:
                     df_logging.set_verbosity(level)
             images = _generate(policy, my_jobs, cfg)

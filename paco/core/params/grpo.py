@@ -10,11 +10,13 @@ registered reward is checked by the stages that use them, and by ``params_check`
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from paco.core.params.base import FloatPair, _Section
+from paco.core.params.resources import check_nodes
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,14 +148,25 @@ class GrpoEvalParams(_Section):
 
 
 class SubtaskResources(_Section):
-    """Launcher and SLURM resources of a foreach member (as ``resources.default``)."""
+    """Launcher and SLURM resources of a foreach member (as ``resources.default``; ``processes`` and
+    ``gpus`` per node, ``nodes`` > 1 needs GPUs).
 
-    processes: int = Field(1, ge=1)
-    gpus: int = Field(0, ge=0)
+    Raises (validation):
+        ValueError: ``nodes`` > 1 with ``gpus`` 0.
+    """
+
+    processes: int = Field(1, ge=1, description="accelerate processes per node (one per GPU on GPUs)")
+    gpus: int = Field(0, ge=0, description="GPUs per node")
+    nodes: int = Field(1, ge=1, description="SLURM nodes; > 1: paco.core.launch starts one launcher per node")
     cpus_per_task: int = Field(2, ge=1)
     mem_mb: int = Field(6000, ge=100)
     runtime: int = Field(60, ge=1, description="minutes")
     accelerate_config: str = "cpu"
+
+    @model_validator(mode="after")
+    def _nodes_need_gpus(self) -> SubtaskResources:
+        check_nodes(self.nodes, self.gpus)
+        return self
 
 
 class GrpoSubtaskParams(_Section):
@@ -199,12 +212,30 @@ class GrpoSubtaskParams(_Section):
         return self
 
 
+#: ``final_samples.<k>.lora`` of a LoRA trained here (group 1: the ``grpo`` key)
+LORA_GRPO_PATH = re.compile(r"data/grpo/([A-Za-z0-9_.-]+)/lora")
+#: ``final_samples.<k>.lora`` of a released LoRA fetched by the ``models`` stage (group 1: the role)
+LORA_ROLE_PATH = re.compile(r"data/models/([a-z][a-z0-9_]*)")
+
+
 class FinalSamplesParams(_Section):
     """Final sampling for one subtask (``final_samples.<subtask>``): ODE sampling of the test prompts
-    with and without the trained LoRA (paper: 20 steps, guidance 3.5, 1024 px)."""
+    with and without a LoRA (paper: 20 steps, guidance 3.5, 1024 px).
+
+    ``lora`` (required, no default: the path names the subtask, and both engines read it from the
+    params file) is ``data/grpo/<g>/lora`` (``grpo.<g>``'s trained LoRA; ``family`` and ``policy``
+    must then be ``grpo.<g>``'s) or ``data/models/<role>`` (a released LoRA fetched by the ``models``
+    stage, diffusers or PEFT layout: :mod:`paco.grpo.policies.lora_io`). The cross-section checks
+    are :class:`paco.core.params.schema.Params`'.
+
+    Raises (validation):
+        ValueError: ``lora`` missing or of neither form.
+    """
 
     seed: int = 0
     policy: str = "policy_t2is"
+    lora: str = Field(description="LoRA directory: data/grpo/<subtask>/lora (trained by grpo@<subtask>) or "
+                      "data/models/<role> (a released LoRA, e.g. role lora_paco_flux: X-GenGroup/PaCo-FLUX.1-dev-Lora)")
     family: PolicyFamily = Field("flux", description="as grpo.<subtask>.family")
     dataset: Dataset = Field("prompts", description="as grpo.<subtask>.dataset")
     split: str = "test"
@@ -228,6 +259,22 @@ class FinalSamplesParams(_Section):
         if not rewards:
             raise ValueError("no rewards: name at least one (paco.grpo.rewards.REWARDS)")
         return rewards
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_required(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "lora" not in data:
+            raise ValueError("lora is required: write data/grpo/<subtask>/lora (grpo.<subtask>'s LoRA) or "
+                             "data/models/<role> (a released LoRA fetched by the models stage)")
+        return data
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_path(cls, lora: str) -> str:
+        if not (LORA_GRPO_PATH.fullmatch(lora) or LORA_ROLE_PATH.fullmatch(lora)):
+            raise ValueError(f"lora {lora!r}: write data/grpo/<subtask>/lora (a grpo key's LoRA) or "
+                             "data/models/<role> (a released LoRA: a models role)")
+        return lora
 
     @model_validator(mode="after")
     def _family_dataset(self) -> FinalSamplesParams:
