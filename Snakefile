@@ -10,7 +10,7 @@
 import sys
 from pathlib import Path
 
-from workflow.registry import STAGES
+from workflow.registry import STAGES, job_resources, local_rules
 
 configfile: "params.yaml"
 
@@ -21,6 +21,12 @@ configfile: "params.yaml"
 shell.prefix(f'export PATH="{Path(sys.executable).parent}:$PATH"; ')
 
 MEMBERS = [m for s in STAGES for m in s.members(config)]
+
+# The stages that download (`models`: hub snapshots) run on the host that runs Snakemake, also
+# under a SLURM profile: a login node has internet, compute nodes may have none. Every other
+# stage runs offline (HF_HUB_OFFLINE=1, stages/__init__.py) and is submitted. (The `localrules:`
+# keyword takes literal names only; this is the call it compiles to.)
+workflow.localrules(*local_rules(config))
 
 
 def member_outputs(m):
@@ -36,7 +42,6 @@ rule all:
 for _m in MEMBERS:
     _s = _m.stage
     _res = _m.resources(config)
-    _gpu = {"gpu": _res["gpus"], "cpus_per_gpu": _res.get("cpus_per_task", 1), "tasks_per_gpu": 0} if _res.get("gpus", 0) else {}
 
     rule:
         name:
@@ -56,10 +61,9 @@ for _m in MEMBERS:
         log:
             f"logs/{_m.rule_name}.log",
         threads: _res.get("cpus_per_task", 1)
+        # GPUs per node, and several nodes (resources.nodes: one launcher per node, started by
+        # paco.core.launch with srun): workflow/registry.py job_resources
         resources:
-            mem_mb=_res.get("mem_mb", 4000),
-            runtime=_res.get("runtime", 30),
-            cpus_per_task=_res.get("cpus_per_task", 1),
-            **_gpu,
+            **job_resources(_res),
         shell:
             "{params.cmd} 2>&1 | tee {log}"

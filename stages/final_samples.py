@@ -5,8 +5,8 @@
     accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.final_samples \\
         --params params.yaml --subtask t2is --items data/prompts/prompts.parquet \\
         --policy data/models/policy_t2is --lora data/grpo/t2is/lora --judge data/reward_merge/model \\
-        --clip data/models/clip --out data/final_samples/t2is/samples.parquet --sheets data/final_samples/t2is/sheets \\
-        --metrics data/final_samples/t2is/metrics.json
+        --clip data/models/clip --pickscore data/models/pickscore --out data/final_samples/t2is/samples.parquet \\
+        --sheets data/final_samples/t2is/sheets --metrics data/final_samples/t2is/metrics.json
 
 Params ``final_samples.<subtask>`` (:class:`paco.core.params.FinalSamplesParams`), ``judge_endpoint`` (served like in
 ``grpo@<subtask>``), ``subfigures``. Writes ``samples.parquet`` (one row per grid and variant:
@@ -39,9 +39,15 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--items", type=Path, required=True,
                    help="the subtask's items: prompts.parquet (dataset prompts) or edits.parquet (dataset edits)")
     p.add_argument("--policy", type=Path, required=True, help="policy model directory (models stage)")
-    p.add_argument("--lora", type=Path, required=True, help="LoRA directory (grpo stage)")
-    p.add_argument("--judge", type=Path, required=True, help="merged judge directory (reward_merge)")
+    p.add_argument("--lora", type=Path, required=True,
+                   help="LoRA directory: final_samples.<subtask>.lora (grpo stage, or a released LoRA from the models "
+                        "stage; diffusers or PEFT layout, paco.grpo.policies.lora_io)")
+    p.add_argument("--judge", type=Path, required=True,
+                   help="judge directory: judge_endpoint.model (reward_merge's, or a released judge from the "
+                        "models stage)")
     p.add_argument("--clip", type=Path, required=True, help="CLIP model directory (models stage)")
+    p.add_argument("--pickscore", type=Path, required=True,
+                   help="PickScore model directory (models stage; loaded only for the pickscore reward)")
     p.add_argument("--out", type=Path, required=True, help="samples.parquet to write")
     p.add_argument("--sheets", type=Path, required=True, help="directory for the contact sheets")
     p.add_argument("--metrics", type=Path, required=True, help="metrics.json to write")
@@ -53,18 +59,20 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     from paco.grpo.rewards import ITEM_COLUMNS, RewardError, check_reward_names, make_reward_context
     from paco.judge.client import JudgeError
     from paco.grpo.final_samples import final_samples
+    from paco.grpo.policies.lora_io import lora_format
 
     cfg = subtask_params(params, "final_samples", args.subtask)
     check_reward_names(cfg.rewards, f"final_samples.{args.subtask}.rewards", source=str(args.params))
     logging.getLogger("accelerate").setLevel(logging.WARNING)
-    if not (args.lora / "pytorch_lora_weights.safetensors").is_file():
-        raise ArtifactError(f"{args.lora}: no pytorch_lora_weights.safetensors (run grpo@{args.subtask})")
+    lora_format(args.lora)  # a LoRA in a known layout (LoraLoadError, an ArtifactError, names the files found)
     prompts = read_parquet(args.items, required=ITEM_COLUMNS[cfg.dataset])
     accelerator = make_accelerator()
     try:
-        # a local judge server loads while make_reward_context imports and loads CLIP, then waits for it
-        with judge_endpoint(params, args.judge, accelerator, None) as endpoint:
-            ctx = make_reward_context(params, endpoint, args.clip)
+        # a local judge server loads while make_reward_context loads CLIP (and PickScore), then waits for it
+        with judge_endpoint(params, args.judge, accelerator, Path("logs"),
+                            log_name=f"final_samples_{args.subtask}.judge_server.log") as endpoint:
+            ctx = make_reward_context(params, endpoint, args.clip, args.pickscore, rewards=cfg.rewards,
+                                      device=accelerator.device)
             table, sheets, metrics = final_samples(cfg, prompts, args.policy, args.lora, ctx,
                                                    rank=accelerator.process_index, world=accelerator.num_processes,
                                                    accelerator=accelerator)

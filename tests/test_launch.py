@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -159,3 +160,215 @@ def test_invalid_params_stop_before_the_stage(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "reward_train.epochs" in bad.stderr and "Traceback" not in bad.stderr
     assert not list((tmp_path / "probes").iterdir())  # the stage never ran
+
+
+class _Exec(Exception):
+    """Raised by the fake ``os.execv``: the launcher would have replaced itself here."""
+
+
+def _judge_params(tmp_path: Path, processes: int, judge_gpus: int = 1) -> Path:
+    """The embedded params with a served vLLM judge on ``judge_gpus`` GPUs of an 8-GPU grpo job."""
+    from paco.core.params.base import read_params_yaml
+
+    raw = read_params_yaml(ROOT / "params.yaml")
+    raw["judge_endpoint"]["server"].update(engine="vllm", gpus=judge_gpus, dtype="bfloat16")
+    for section, gpus in (("grpo", 8), ("final_samples", 2)):
+        for item in raw[section].values():
+            item["resources"] = {**item.get("resources", {}), "gpus": gpus,
+                                 "processes": processes if section == "grpo" else gpus - judge_gpus}
+    path = tmp_path / f"params-{processes}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_gpu_split_on_a_fake_8_gpu_allocation(tmp_path, monkeypatch, capsys):
+    """``--serves_judge`` with ``judge_endpoint.server.gpus: 1`` on an allocation of 8 GPUs listed
+    out of order: the judge gets the first (4), the 7 trainer processes the rest in order, and
+    ``accelerate launch`` inherits both. A process count that does not match is exit code 2 naming
+    ``resources.processes`` (in the params check, and at launch); so is no allocation at all."""
+    captured = {}
+
+    def fake_execv(path, argv):
+        captured.update(argv=list(argv), env=dict(os.environ))
+        raise _Exec
+
+    monkeypatch.setattr(os, "execv", fake_execv)
+    for var in ("PACO_JUDGE_DEVICES", "CUDA_VISIBLE_DEVICES", "SLURM_NNODES", "PACO_NODE_TASK"):  # restored after
+        monkeypatch.setenv(var, "x")
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0,1,2,3")
+    params = _judge_params(tmp_path, 7)
+    command = ["--config_file", str(CONFIGS / "ddp.yaml"), "--num_processes", "7", "--serves_judge",
+               "-m", "stages.grpo", "--params", str(params)]
+    with pytest.raises(_Exec):
+        main(command)
+    assert captured["env"]["PACO_JUDGE_DEVICES"] == "4"
+    assert captured["env"]["CUDA_VISIBLE_DEVICES"] == "5,6,7,0,1,2,3"
+    assert captured["argv"][captured["argv"].index("--num_processes") + 1] == "7"
+    assert "--serves_judge" not in captured["argv"]  # the launcher's own flag
+
+    # without --serves_judge (a stage that serves no judge) nothing is split
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0,1,2,3")
+    monkeypatch.delenv("PACO_JUDGE_DEVICES")
+    with pytest.raises(_Exec):
+        main([a for a in command if a != "--serves_judge"])
+    assert captured["env"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7,0,1,2,3" and "PACO_JUDGE_DEVICES" not in captured["env"]
+
+    # 8 processes: the params check names the key, and so does the launch with params of 7
+    captured.clear()
+    capsys.readouterr()
+    assert main(command[:3] + ["8"] + command[4:-1] + [str(_judge_params(tmp_path, 8))]) == 2
+    assert re.search(r"grpo\.\w+\.resources\.processes 8: 7 processes expected", capsys.readouterr().err)
+    assert main(command[:3] + ["8"] + command[4:]) == 2
+    err = capsys.readouterr().err
+    assert "resources.processes 8" in err and "7 GPUs are left" in err and not captured
+
+    # an accelerate config that picks GPUs itself is refused
+    cfg = tmp_path / "subset.yaml"
+    cfg.write_text(yaml.safe_dump({**_config("ddp"), "gpu_ids": "0,1"}))
+    assert main(["--config_file", str(cfg), *command[2:]]) == 2
+    assert "gpu_ids '0,1'" in capsys.readouterr().err
+
+    # no allocation: no CUDA_VISIBLE_DEVICES, no SLURM GPUs and no nvidia-smi on PATH
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.delenv("SLURM_STEP_GPUS", raising=False)
+    monkeypatch.delenv("SLURM_JOB_GPUS", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main(command) == 2
+    assert "no GPU allocation found" in capsys.readouterr().err and not captured
+
+
+def test_visible_gpus_sources(tmp_path):
+    """CUDA_VISIBLE_DEVICES first, then SLURM_STEP_GPUS, SLURM_JOB_GPUS, then nvidia-smi's list;
+    entries are kept as they are (UUIDs), in order."""
+    from paco.core.launch import split_gpus, visible_gpus
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0\\n1\\n2\\n'\n")
+    smi.chmod(0o755)
+    path = {"PATH": str(tmp_path)}
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-a1,GPU-b2", "SLURM_JOB_GPUS": "0", **path}) == ["GPU-a1", "GPU-b2"]
+    assert visible_gpus({"SLURM_STEP_GPUS": "3,2", "SLURM_JOB_GPUS": "0", **path}) == ["3", "2"]
+    assert visible_gpus({"SLURM_JOB_GPUS": "6,7", **path}) == ["6", "7"]
+    assert visible_gpus(path) == ["0", "1", "2"]
+    for bad in ("", "NoDevFiles", "-1"):
+        with pytest.raises(LaunchError, match="names no GPU"):
+            visible_gpus({"CUDA_VISIBLE_DEVICES": bad, **path})
+    assert split_gpus(["3", "1", "2"], 2) == (["3", "1"], ["2"])
+    with pytest.raises(LaunchError, match="none left"):
+        split_gpus(["0"], 1)
+
+
+def test_slurm_fan_out(tmp_path, monkeypatch):
+    """Started once in a 2-node allocation, the launcher replaces itself with ``srun`` starting it
+    on each node (one task per node) with the first host as the meeting point; each per-node
+    launcher then runs ``accelerate launch`` with its machine rank, both machines and the total
+    process count."""
+    for name, body in (("scontrol", '[ "$1 $2 $3" = "show hostnames n[01-02]" ] && printf "n01\\nn02\\n"'),
+                       ("srun", "exit 99")):
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    captured = {}
+
+    def fake_exec(path, argv, env=None):
+        captured.update(path=path, argv=list(argv), env=dict(env if env is not None else os.environ))
+        raise _Exec
+
+    monkeypatch.setattr(os, "execve", fake_exec)
+    monkeypatch.setattr(os, "execv", fake_exec)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for var in ("PACO_NODE_TASK", "SLURM_NODEID", "PACO_MAIN_PROCESS_IP", "PACO_MAIN_PROCESS_PORT", "PACO_SRUN_ARGS"):
+        monkeypatch.setenv(var, "x")
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[01-02]")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the batch host's: not the other node's
+    monkeypatch.setenv("PACO_SRUN_ARGS", "--overlap")
+    _write_probe(tmp_path)
+    launcher_args = ["--config_file", str(CONFIGS / "ddp.yaml"), "--num_processes", "3",
+                     "-m", "paco_launch_probe", "--params", str(tmp_path / "params.yaml")]
+    with pytest.raises(_Exec):
+        main(launcher_args)
+    assert captured["path"] == str(tmp_path / "srun")
+    assert captured["argv"] == [str(tmp_path / "srun"), "--nodes", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+                                "--overlap", sys.executable, "-m", "paco.core.launch", *launcher_args]
+    env = captured["env"]
+    assert (env["PACO_NODE_TASK"], env["PACO_MAIN_PROCESS_IP"]) == ("1", "n01") and int(env["PACO_MAIN_PROCESS_PORT"]) > 0
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+    # the per-node launcher on the second node
+    monkeypatch.setenv("PACO_NODE_TASK", "1")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("PACO_MAIN_PROCESS_IP", "n01")
+    monkeypatch.setenv("PACO_MAIN_PROCESS_PORT", "29511")
+    with pytest.raises(_Exec):
+        main(launcher_args)
+    argv = captured["argv"]
+    flags = dict(zip(argv[3:argv.index("-m", 3):2], argv[4:argv.index("-m", 3):2]))
+    assert flags == {"--config_file": str(CONFIGS / "ddp.yaml"), "--num_processes": "6", "--num_machines": "2",
+                     "--machine_rank": "1", "--main_process_ip": "n01", "--main_process_port": "29511"}
+    assert argv[argv.index("-m", 3):] == ["-m", "paco_launch_probe", "--params", str(tmp_path / "params.yaml")]
+
+    # explicit flags: no fan-out; a rank without its meeting point is refused
+    monkeypatch.delenv("PACO_NODE_TASK")
+    assert main(["--num_machines", "2", *launcher_args]) == 2
+    with pytest.raises(_Exec):
+        main(["--num_machines", "1", *launcher_args])
+    assert "--num_machines" not in captured["argv"] and captured["path"] == sys.executable
+
+
+NODE_PROBE = '''
+import json, os
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from paco.grpo.judge_endpoint import JudgeEndpoint
+
+acc = Accelerator(cpu=True)
+
+class Server:
+    def wait_ready(self):
+        return "http://" + os.environ["PROBE_NODE"] + "/v1"
+
+url = JudgeEndpoint(acc, server=Server() if acc.is_local_main_process else None).url()
+with open(os.path.join(os.environ["PROBE_DIR"], f"probe-{acc.process_index}.json"), "w") as f:
+    json.dump({"index": acc.process_index, "processes": acc.num_processes, "url": url,
+               "gathered": gather_object([acc.process_index * 10])}, f)
+'''
+
+
+def test_two_launchers_form_one_group_with_a_judge_per_node(tmp_path):
+    """Two launchers (``--num_machines 2``, ranks 0 and 1, one process each) make one process group
+    of 2, as one launcher with 2 processes does; each process reaches its own node's judge server
+    (the local main's), where one machine's two processes share one."""
+    import socket
+
+    (tmp_path / "paco_node_probe.py").write_text(NODE_PROBE)
+    params = _write_probe(tmp_path)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "PACO_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for var in ("SLURM_NNODES", "PACO_NODE_TASK", "OMP_NUM_THREADS"):
+        env.pop(var, None)
+
+    def launch(out: Path, processes: int, *machine: str, node: str) -> subprocess.Popen:
+        out.mkdir(exist_ok=True)
+        return subprocess.Popen([*LAUNCH, "--config_file", str(CONFIGS / "cpu.yaml"), "--num_processes", str(processes),
+                                 *machine, "-m", "paco_node_probe", "--params", str(params)], cwd=tmp_path,
+                                env={**env, "PROBE_DIR": str(out), "PROBE_NODE": node}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    two = [launch(tmp_path / "two", 1, "--num_machines", "2", "--machine_rank", rank, "--main_process_ip",
+                  "127.0.0.1", "--main_process_port", port, node=f"node{rank}") for rank in ("0", "1")]
+    outs = [p.communicate(timeout=300)[0] for p in two]
+    assert [p.returncode for p in two] == [0, 0], outs
+    one = launch(tmp_path / "one", 2, node="node0")
+    out = one.communicate(timeout=300)[0]
+    assert one.returncode == 0, out
+    read = {name: [json.loads((tmp_path / name / f"probe-{i}.json").read_text()) for i in (0, 1)]
+            for name in ("two", "one")}
+    for name in read:
+        assert [(p["index"], p["processes"], p["gathered"]) for p in read[name]] == [(0, 2, [0, 10]), (1, 2, [0, 10])]
+    assert [p["url"] for p in read["two"]] == ["http://node0/v1", "http://node1/v1"]
+    assert [p["url"] for p in read["one"]] == ["http://node0/v1", "http://node0/v1"]

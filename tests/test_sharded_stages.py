@@ -115,6 +115,11 @@ def _reward_eval(repo: Path, processes: int, out: Path, instances: Path) -> subp
     """The stage's registry command with ``processes``, the ranking ``instances`` and outputs
     under ``out``; the untrained base judge stands in for the merged one (the scores are what must
     agree, not their quality)."""
+    return _sh(["bash", "-c", _reward_eval_cmd(repo, processes, out, instances)], repo)
+
+
+def _reward_eval_cmd(repo: Path, processes: int, out: Path, instances: Path) -> str:
+    """The command :func:`_reward_eval` runs."""
     from workflow.registry import by_name
 
     params = yaml.safe_load((repo / "params.yaml").read_text())
@@ -130,10 +135,30 @@ def _reward_eval(repo: Path, processes: int, out: Path, instances: Path) -> subp
               .replace("data/reward_eval/", f"{out}/"))
     assert f"--num_processes {processes}" in cmd and f"{out}/predictions.parquet" in cmd, cmd
     assert f"--instances {instances}" in cmd, cmd
-    return _sh(["bash", "-c", cmd], repo)
+    return cmd
+
+
+def _two_launchers(repo: Path, out: Path, instances: Path) -> None:
+    """:func:`_reward_eval` with 1 process per launcher on 2 "machines" (two launchers on this host,
+    ``--num_machines 2``, ranks 0 and 1, meeting on a free loopback port): one gloo group of 2."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = _reward_eval_cmd(repo, 1, out, instances)
+    env = {k: v for k, v in _env().items() if k not in ("SLURM_NNODES", "PACO_NODE_TASK")}
+    procs = [subprocess.Popen(["bash", "-c", cmd.replace(
+        "--num_processes 1", f"--num_processes 1 --num_machines 2 --machine_rank {rank} --main_process_ip 127.0.0.1 "
+        f"--main_process_port {port}")], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
 
 
 def test_reward_eval_two_processes_equal_one_byte_for_byte(workspace, tmp_path):
+    """1 process, 2 processes on one machine, and 2 launchers of one process each on two "machines"
+    (``paco.core.launch --num_machines 2``, resources.nodes: 2) write the same bytes."""
     import pandas as pd
 
     # the held-out instances of 3 of the 8 test prompts (every prompt's instances whole: the
@@ -146,8 +171,11 @@ def test_reward_eval_two_processes_equal_one_byte_for_byte(workspace, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     _reward_eval(workspace, 1, one, instances)
     _reward_eval(workspace, 2, two, instances)
-    assert (one / "predictions.parquet").read_bytes() == (two / "predictions.parquet").read_bytes()
-    assert (one / "metrics.json").read_bytes() == (two / "metrics.json").read_bytes()
+    machines = tmp_path / "two_machines"
+    _two_launchers(workspace, machines, instances)
+    for name in ("predictions.parquet", "metrics.json"):
+        assert (one / name).read_bytes() == (two / name).read_bytes() == (machines / name).read_bytes(), name
+    assert json.loads((machines / "report.json").read_text())["run"]["processes"] == 2
     report_one = json.loads((one / "report.json").read_text())
     report_two = json.loads((two / "report.json").read_text())
     assert report_two["run"]["processes"] == 2 and report_one["run"]["processes"] == 1

@@ -25,7 +25,26 @@ The launcher
    one that set torch's thread count). Unless it is set, it gets accelerate's value
    (:func:`accelerate_omp_threads`).
 
-Exit codes: the stage's own (2: invalid params, a bad input artifact), or accelerate's.
+With ``--serves_judge`` (the command of a stage that may start its own judge server: grpo,
+final_samples) and a served judge on GPUs of the job (``judge_endpoint.url`` null,
+``judge_endpoint.server.gpus`` N > 0), the launcher first splits this node's GPUs
+(:func:`judge_gpu_split`): the first N of the allocation (:func:`visible_gpus`) go to the judge
+(``PACO_JUDGE_DEVICES``, read by ``paco.grpo.judge_endpoint``), the rest to the stage's processes
+(``CUDA_VISIBLE_DEVICES``), one each: ``--num_processes`` must equal their count. This is the
+reference's hand step on one 8-GPU node (PaCo-GRPO/README.md §3-4: the vLLM server on
+``CUDA_VISIBLE_DEVICES=0``, training on ``1,...,7``) done by the job itself.
+
+Several machines (``resources.nodes`` > 1, a SLURM job of that many nodes): started once in the
+allocation (``SLURM_NNODES`` > 1), the launcher replaces itself with ``srun`` starting itself once
+per node (:func:`fan_out_command`); each per-node launcher splits its node's GPUs as above and
+runs ``accelerate launch --num_machines M --machine_rank R --main_process_ip IP
+--main_process_port P --num_processes processes*M`` (:func:`machine_topology`). The four flags may
+also be given to the launcher itself (then no fan-out; ``--num_machines 1`` turns it off), and
+``--num_processes`` stays per machine. In a multi-node allocation every accelerate stage spans all
+its nodes.
+
+Exit codes: the stage's own (2: invalid params, a bad input artifact, a GPU split that does not
+fit, a malformed multi-machine launch), or accelerate's.
 """
 
 from __future__ import annotations
@@ -33,6 +52,8 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -152,6 +173,190 @@ def params_path(stage_args: list[str]) -> str:
     return parser.parse_known_args(stage_args)[0].params
 
 
+def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
+    """This node's GPUs for the job, in order, as opaque entries (indices, UUIDs or MIG names):
+    ``CUDA_VISIBLE_DEVICES`` if set, else ``SLURM_STEP_GPUS``, else ``SLURM_JOB_GPUS``, else
+    every GPU ``nvidia-smi --query-gpu=index --format=csv,noheader`` lists (as the reference's
+    ``PaCo-GRPO/vllm_server/launch.sh`` l.33-35). ``env``: default ``os.environ`` (its ``PATH``
+    finds ``nvidia-smi``).
+
+    Raises:
+        LaunchError: ``CUDA_VISIBLE_DEVICES`` set but naming no GPU (empty, ``NoDevFiles``, ``-1``),
+            or none of the variables set and no ``nvidia-smi`` that answers.
+    """
+    env = os.environ if env is None else env
+    cuda = env.get("CUDA_VISIBLE_DEVICES")
+    if cuda is not None:
+        gpus = [g.strip() for g in cuda.split(",") if g.strip()]
+        if not gpus or gpus[0] in ("NoDevFiles", "-1"):
+            raise LaunchError(f"CUDA_VISIBLE_DEVICES={cuda!r} names no GPU")
+        return gpus
+    for var in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        gpus = [g.strip() for g in env.get(var, "").split(",") if g.strip()]
+        if gpus:
+            return gpus
+    smi = shutil.which("nvidia-smi", path=env.get("PATH"))
+    if smi is None:
+        raise LaunchError("no GPU allocation found: CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS and SLURM_JOB_GPUS are "
+                          "unset and nvidia-smi is not on PATH")
+    try:
+        out = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise LaunchError(f"no GPU allocation found: {smi} --query-gpu=index failed ({exc})") from exc
+    gpus = [g.strip() for g in out.splitlines() if g.strip()]
+    if not gpus:
+        raise LaunchError(f"no GPU allocation found: {smi} lists no GPU")
+    return gpus
+
+
+def split_gpus(gpus: list[str], n: int) -> tuple[list[str], list[str]]:
+    """``(judge, rest)``: the first ``n`` of ``gpus`` and the others, order kept.
+
+    Raises:
+        LaunchError: ``n`` < 1, or not more than ``n`` GPUs (none left for the stage's processes).
+    """
+    if n < 1:
+        raise LaunchError(f"judge_endpoint.server.gpus {n}: nothing to split")
+    if len(gpus) <= n:
+        raise LaunchError(f"judge_endpoint.server.gpus {n} takes all {len(gpus)} GPUs of the allocation "
+                          f"({','.join(gpus)}): none left for the stage's processes")
+    return list(gpus[:n]), list(gpus[n:])
+
+
+def judge_gpu_split(params_file: str, config: Mapping[str, Any], num_processes: int,
+                    env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that give this node's first ``judge_endpoint.server.gpus`` GPUs to the stage's
+    judge server and the rest to its processes: ``{"PACO_JUDGE_DEVICES": ..., "CUDA_VISIBLE_DEVICES":
+    ...}`` (comma-joined :func:`split_gpus` of :func:`visible_gpus`); ``{}`` when the params serve no
+    judge on GPUs of its own (``judge_endpoint.url`` set, or ``server.gpus`` 0).
+
+    Raises:
+        LaunchError: no allocation found, too few GPUs, ``num_processes`` (``resources.processes``)
+            not the number of GPUs left, or an accelerate ``config`` whose ``gpu_ids`` is not
+            ``all`` (accelerate would set ``CUDA_VISIBLE_DEVICES`` itself).
+        paco.core.params.ParamsError: the params file is invalid.
+    """
+    from paco.core.params import load_params
+
+    judge = load_params(params_file).judge_endpoint
+    n = judge.server.gpus
+    if judge.url is not None or n == 0:
+        return {}
+    ids = str(config.get("gpu_ids") or "all")
+    if ids != "all":
+        raise LaunchError(f"accelerate config gpu_ids {ids!r} with judge_endpoint.server.gpus {n}: the launcher "
+                          "splits the GPUs itself; use a config with gpu_ids: all")
+    gpus = visible_gpus(env)
+    mine, rest = split_gpus(gpus, n)
+    if len(rest) != num_processes:
+        raise LaunchError(f"resources.processes {num_processes} (--num_processes) but {len(rest)} GPUs are left "
+                          f"for the stage's processes on this node: {len(gpus)} visible ({','.join(gpus)}) minus "
+                          f"judge_endpoint.server.gpus {n}")
+    return {"PACO_JUDGE_DEVICES": ",".join(mine), "CUDA_VISIBLE_DEVICES": ",".join(rest)}
+
+
+#: set by the SLURM fan-out (:func:`fan_out_command`) in the environment of each per-node launcher
+NODE_TASK_ENV = "PACO_NODE_TASK"
+
+
+def slurm_nodes(env: Mapping[str, str]) -> int:
+    """The nodes of the SLURM allocation this runs in (``SLURM_NNODES``; 1 outside SLURM).
+
+    Raises:
+        LaunchError: ``SLURM_NNODES`` is not a positive integer.
+    """
+    value = env.get("SLURM_NNODES") or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise LaunchError(f"SLURM_NNODES={value!r} is not a positive integer")
+    return int(value)
+
+
+def main_host(env: Mapping[str, str]) -> str:
+    """The first host of the allocation (``scontrol show hostnames $SLURM_JOB_NODELIST``, line 1):
+    where machine rank 0 runs and the others meet it.
+
+    Raises:
+        LaunchError: no ``SLURM_JOB_NODELIST``, or no ``scontrol`` that expands it.
+    """
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LaunchError("SLURM_NNODES > 1 but no SLURM_JOB_NODELIST: which host is machine rank 0?")
+    scontrol = shutil.which("scontrol", path=env.get("PATH"))
+    if scontrol is None:
+        raise LaunchError("SLURM_NNODES > 1 but scontrol is not on PATH (it expands SLURM_JOB_NODELIST)")
+    try:
+        out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise LaunchError(f"scontrol show hostnames {nodelist}: {exc}") from exc
+    if not out.split():
+        raise LaunchError(f"scontrol show hostnames {nodelist} printed no host")
+    return out.split()[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def fan_out_command(argv: list[str], env: Mapping[str, str], port: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """``(srun argv, its environment)`` that starts this launcher (``argv``: its own arguments) once
+    on every node of a SLURM allocation of ``SLURM_NNODES`` > 1 nodes: ``srun --nodes N
+    --ntasks-per-node 1 --kill-on-bad-exit=1 [$PACO_SRUN_ARGS] python -m paco.core.launch ARGV``,
+    with :data:`NODE_TASK_ENV`, ``PACO_MAIN_PROCESS_IP`` (:func:`main_host`) and
+    ``PACO_MAIN_PROCESS_PORT`` (``port``, default a port free here: the batch script runs on the
+    first host) set, and this host's ``CUDA_VISIBLE_DEVICES`` / ``PACO_JUDGE_DEVICES`` dropped
+    (each node's step has its own GPUs). The reference edits its ``multi_node.yaml`` per node by
+    hand (``num_machines``, ``machine_rank``, ``main_process_ip``, ``main_process_port``).
+
+    Raises:
+        LaunchError: no ``srun`` or ``scontrol`` on PATH, no node list.
+    """
+    import shlex
+
+    srun = shutil.which("srun", path=env.get("PATH"))
+    if srun is None:
+        raise LaunchError("SLURM_NNODES > 1 but srun is not on PATH (it starts one launcher per node)")
+    host = main_host(env)
+    cmd = [srun, "--nodes", str(slurm_nodes(env)), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+           *shlex.split(env.get("PACO_SRUN_ARGS", "")), sys.executable, "-m", "paco.core.launch", *argv]
+    child = {k: v for k, v in env.items() if k not in ("CUDA_VISIBLE_DEVICES", "PACO_JUDGE_DEVICES")}
+    child.update({NODE_TASK_ENV: "1", "PACO_MAIN_PROCESS_IP": host,
+                  "PACO_MAIN_PROCESS_PORT": str(port or _free_port())})
+    return cmd, child
+
+
+def machine_topology(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, int, str | None, int | None]:
+    """``(num_machines, machine_rank, main_process_ip, main_process_port)`` of this launcher: its
+    ``--num_machines`` ... flags when given, else a per-node launcher's SLURM values
+    (``SLURM_NNODES``, ``SLURM_NODEID``, ``PACO_MAIN_PROCESS_IP`` / ``_PORT``), else one machine.
+
+    Raises:
+        LaunchError: ``--num_machines`` > 1 without the other three flags, a rank out of range, or
+            a per-node launcher without its variables.
+    """
+    if args.num_machines is not None:
+        machines, rank, ip, port = args.num_machines, args.machine_rank or 0, args.main_process_ip, args.main_process_port
+        if machines > 1 and (args.machine_rank is None or not ip or port is None):
+            raise LaunchError(f"--num_machines {machines} needs --machine_rank, --main_process_ip and "
+                              "--main_process_port")
+    elif env.get(NODE_TASK_ENV):
+        try:
+            machines, rank = slurm_nodes(env), int(env["SLURM_NODEID"])
+            ip, port = env["PACO_MAIN_PROCESS_IP"], int(env["PACO_MAIN_PROCESS_PORT"])
+        except (KeyError, ValueError) as exc:
+            raise LaunchError(f"a per-node launcher ({NODE_TASK_ENV} set) without its SLURM variables: {exc}") from exc
+    else:
+        return 1, 0, None, None
+    if machines < 1 or not 0 <= rank < machines:
+        raise LaunchError(f"machine rank {rank} of {machines} machines")
+    return machines, rank, ip, port
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the launch described in the module docstring; returns the exit code (the in-process
     stage's ``SystemExit`` code; an exec does not return)."""
@@ -165,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
                                          description="Run a stage in this process or under accelerate launch.")
         parser.add_argument("--config_file", required=True, help="accelerate config (YAML)")
         parser.add_argument("--num_processes", type=int, default=1, help="processes on this machine")
+        parser.add_argument("--serves_judge", action="store_true",
+                            help="the stage may serve its judge on GPUs of its own (judge_gpu_split)")
+        parser.add_argument("--num_machines", type=int, default=None,
+                            help="machines (one launcher each; default: SLURM_NNODES, by srun)")
+        parser.add_argument("--machine_rank", type=int, default=None)
+        parser.add_argument("--main_process_ip", default=None)
+        parser.add_argument("--main_process_port", type=int, default=None)
         args = parser.parse_args(launcher_args)
         config = read_accelerate_config(args.config_file)
     except LaunchError as exc:
@@ -176,14 +388,30 @@ def main(argv: list[str] | None = None) -> int:
     code = check_params([params_path(stage_args)])
     if code != 0:
         return code
+    try:
+        if args.num_machines is None and not os.environ.get(NODE_TASK_ENV) and slurm_nodes(os.environ) > 1:
+            command, env = fan_out_command(argv, os.environ)  # this launcher again, on every node
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execve(command[0], command, env)
+        machines, rank, ip, port = machine_topology(args, os.environ)
+        if args.serves_judge:  # per node
+            os.environ.update(judge_gpu_split(params_path(stage_args), config, args.num_processes))
+    except LaunchError as exc:
+        print(f"paco.core.launch: {exc}", file=sys.stderr)
+        return 2
 
-    reason = launcher_needed(config, args.num_processes)
+    reason = launcher_needed(config, args.num_processes) or (f"{machines} machines" if machines > 1 else None)
     if reason is not None:
+        # accelerate's --num_processes is the total over the machines
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
-                   "--num_processes", str(args.num_processes), "-m", module, *stage_args]
+                   "--num_processes", str(args.num_processes * machines)]
+        if machines > 1:
+            command += ["--num_machines", str(machines), "--machine_rank", str(rank), "--main_process_ip", str(ip),
+                        "--main_process_port", str(port)]
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execv(sys.executable, command)
+        os.execv(sys.executable, [*command, "-m", module, *stage_args])
 
     os.environ.setdefault("OMP_NUM_THREADS", str(accelerate_omp_threads(config, args.num_processes)))
     sys.argv = [module, *stage_args]

@@ -1,5 +1,5 @@
-"""Client of a served judge (``paco.judge.serve`` on CPU, ``vllm serve`` on GPUs) and the lifecycle of
-a local judge server.
+"""Client of a served judge (``paco.judge.serve`` on CPU, ``vllm serve`` on GPUs). The lifecycle of a
+local judge server is :class:`paco.judge.local_server.LocalJudgeServer` (importable from here too).
 
 The score of a pair is PaCo-Reward's ``P(Yes) / (P(Yes) + P(No))`` of the first generated token
 (paper §3.2), computed from the ``top_logprobs`` of a ``max_tokens: 1`` chat completion as the
@@ -26,22 +26,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
-from paco.core.numerics import fix_numerics_env
 from paco.judge.chat import build_openai_messages, openai_error_message, openai_retries, png_bytes
 from paco.judge.deadline_http import backoff_s, deadline, http_client, httpx_module, retry_after_s
 from paco.judge.model import canonical_answer
@@ -381,218 +375,12 @@ class JudgeClient:
             return list(pool.map(one, triples))
 
 
-def _free_port() -> int:
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def __getattr__(name: str) -> Any:
+    """``LocalJudgeServer`` lives in :mod:`paco.judge.local_server` (imported from here too, lazily:
+    that module imports this one)."""
+    if name == "LocalJudgeServer":
+        from paco.judge.local_server import LocalJudgeServer
 
-
-def _parent_death_signal() -> Any:
-    """A ``preexec_fn`` that makes the child get SIGTERM when the thread that started it exits
-    (Linux ``PR_SET_PDEATHSIG``), or ``None`` elsewhere. libc is loaded here, in the parent: the
-    child, between fork and exec, only calls ``prctl``."""
-    import ctypes
-    import signal
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except OSError:
-        return None
-
-    def preexec() -> None:  # pragma: no cover - runs in the child
-        prctl(1, signal.SIGTERM)
-
-    return preexec
-
-
-class LocalJudgeServer:
-    """Run a judge server on a free localhost port for the duration of a ``with``: ``python -m
-    paco.judge.serve`` (``engine="paco"``), or ``vllm serve`` (``engine="vllm"``, the ``[gpu]``
-    extra, a CUDA device; its batching, dtype handling and kernels are vLLM's own).
-
-    ``__enter__`` is :meth:`start` then :meth:`wait_ready`: it starts the process, waits until
-    ``/health`` answers (or the process dies, or ``startup_timeout_s`` passes from the start),
-    checks that ``/v1/models`` lists ``served_model_name``, and returns the base URL
-    (``http://127.0.0.1:<port>/v1``). Calling the two apart lets the caller do its own start-up
-    while the server loads. ``__exit__`` stops it (SIGTERM, then SIGKILL after 10 s; again is a
-    no-op). The server is started with ``--parent-pid`` of this process, so it also shuts down
-    when this process dies without reaching ``__exit__`` (SIGKILL, OOM kill). The server's log
-    goes to ``log_path`` (default: a temp file), whose tail is quoted if it fails to start.
-    ``batching`` and ``max_model_len`` are the server's ``--batching`` (default ``auto``:
-    batch-invariant, see :mod:`paco.judge.serve`) and ``--max-model-len`` (``None``: the model's
-    ``max_position_embeddings``). With ``engine="vllm"``
-    only ``max_logprobs``, ``dtype`` and ``max_model_len`` are passed on; readiness is
-    ``/v1/models`` listing the name, and the server gets SIGTERM when this process's thread that
-    started it exits (Linux ``PR_SET_PDEATHSIG``).
-
-    Raises:
-        JudgeError: the server did not come up or serves another name.
-        ValueError: an unknown engine.
-    """
-
-    def __init__(self, model_dir: str | os.PathLike[str], served_model_name: str, *, max_batch_size: int = 16,
-                 max_wait_ms: float = 10.0, threads: int = 0, startup_timeout_s: float = 120.0,
-                 log_path: str | os.PathLike[str] | None = None, device: str = "auto", dtype: str = "float32",
-                 max_logprobs: int = 20, batching: str = "auto", max_model_len: int | None = None,
-                 engine: str = "paco", request_timeout_s: float = 300.0):
-        if engine not in ("paco", "vllm"):
-            raise ValueError(f"engine must be 'paco' or 'vllm', got {engine!r}")
-        self.engine = engine
-        self.request_timeout_s = float(request_timeout_s)
-        self.model_dir = Path(model_dir)
-        self.served_model_name = served_model_name
-        self.max_batch_size = max_batch_size
-        self.max_wait_ms = max_wait_ms
-        self.threads = threads
-        self.startup_timeout_s = startup_timeout_s
-        self.log_path = Path(log_path) if log_path else None
-        self.device = device
-        self.dtype = dtype
-        self.max_logprobs = max_logprobs
-        self.batching = batching
-        self.max_model_len = max_model_len
-        self.proc: subprocess.Popen | None = None
-        self.url: str | None = None
-        self._ready = False
-        self._tmp: tempfile.TemporaryDirectory | None = None
-
-    def _log_tail(self) -> str:
-        try:
-            return "\n".join(self._log_file.read_text(errors="replace").splitlines()[-15:])
-        except OSError:
-            return "(no log)"
-
-    def __enter__(self) -> str:
-        self.start()
-        return self.wait_ready()
-
-    def start(self) -> None:
-        """Start the server process and return at once (:meth:`wait_ready` waits for it).
-
-        Raises:
-            RuntimeError: already started.
-        """
-        if self.proc is not None:
-            raise RuntimeError(f"judge server for {self.model_dir} already started")
-        self._tmp = tempfile.TemporaryDirectory(prefix="paco-judge-")
-        self._port_file = port_file = Path(self._tmp.name) / "port"
-        self._log_file = self.log_path or Path(self._tmp.name) / "server.log"
-        self._log_file.parent.mkdir(parents=True, exist_ok=True)
-        preexec = None
-        if self.engine == "vllm":
-            port = _free_port()
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                   "--served-model-name", self.served_model_name, "--host", "127.0.0.1", "--port", str(port),
-                   "--max-logprobs", str(self.max_logprobs), "--dtype", self.dtype, "--seed", "0"]
-            if self.max_model_len:
-                cmd += ["--max-model-len", str(self.max_model_len)]
-            preexec = _parent_death_signal()
-            port_file.write_text(str(port))
-        else:
-            cmd = [sys.executable, "-m", "paco.judge.serve", "--model", str(self.model_dir),
-                   "--served-model-name", self.served_model_name, "--host", "127.0.0.1", "--port", "0",
-                   "--port-file", str(port_file), "--max-batch-size", str(self.max_batch_size),
-                   "--max-wait-ms", str(self.max_wait_ms), "--threads", str(self.threads), "--device", self.device,
-                   "--dtype", self.dtype, "--max-logprobs", str(self.max_logprobs), "--batching", self.batching,
-                   "--max-model-len", str(self.max_model_len or 0), "--parent-pid", str(os.getpid()),
-                   "--request-timeout-s", str(self.request_timeout_s)]
-        # OpenMP threads that busy-wait between the server's small forward passes would steal the
-        # cores the trainer needs (and the other way round): make them sleep when idle.
-        # Scores must not depend on the machine's load or CPU model either (fix_numerics_env).
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        fix_numerics_env(env)
-        # a key the user set to reach some remote judge is not this loopback server's (which
-        # would then refuse its own stage's requests); it answers loopback Host names only
-        env.pop("PACO_JUDGE_API_KEY", None)
-        with open(self._log_file, "ab") as logf:
-            # vLLM runs its engine in child processes: its own session, so stopping it stops them all
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                         preexec_fn=preexec, start_new_session=self.engine == "vllm")
-        self._deadline = time.monotonic() + self.startup_timeout_s
-
-    def wait_ready(self) -> str:
-        """Wait until the started server is ready (see the class docstring); its base URL.
-
-        Raises:
-            JudgeError: it exited, was not healthy ``startup_timeout_s`` after :meth:`start`, or
-                serves another name (the server is stopped and its log's tail quoted).
-            RuntimeError: not started.
-        """
-        if self.proc is None:
-            raise RuntimeError(f"judge server for {self.model_dir} not started")
-        if self.url is not None and self._ready:
-            return self.url
-        port_file, deadline = self._port_file, self._deadline
-        client: JudgeClient | None = None  # one polling client, closed below
-        while True:
-            if self.proc.poll() is not None:
-                tail = self._log_tail()
-                self.__exit__(None, None, None)
-                raise JudgeError(f"judge server ({self.model_dir}) exited with code {self.proc.returncode} "
-                                 f"before it was ready; its log:\n{tail}")
-            if client is None and port_file.is_file() and port_file.read_text().strip():
-                self.url = f"http://127.0.0.1:{int(port_file.read_text())}/v1"
-                client = JudgeClient(self.url, self.served_model_name, retries=0, timeout_s=5.0)
-            if client is not None:
-                try:
-                    if self.engine == "vllm":
-                        if self.served_model_name in client.served_models():
-                            break
-                    elif client.health().get("status") == "ok":
-                        break
-                except JudgeError:
-                    pass
-            if time.monotonic() > deadline:
-                tail = self._log_tail()
-                self.__exit__(None, None, None)
-                raise JudgeError(f"judge server ({self.model_dir}) not healthy after {self.startup_timeout_s:g} s; "
-                                 f"its log:\n{tail}")
-            time.sleep(0.2)
-        client.close()
-        checker = JudgeClient(self.url, self.served_model_name, retries=2, timeout_s=10.0)
-        try:
-            checker.check_model()
-        except JudgeError:
-            self.__exit__(None, None, None)
-            raise
-        finally:
-            checker.close()
-        self._ready = True
-        log.info("judge server for %s up at %s (pid %d)", self.model_dir, self.url, self.proc.pid)
-        return self.url
-
-    def _signal(self, sig: int) -> None:
-        import signal as _signal
-
-        if self.engine == "vllm":  # the whole session: the API server and its engine processes
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        elif sig == _signal.SIGKILL:
-            self.proc.kill()
-        else:
-            self.proc.terminate()
-
-    def __exit__(self, *exc: Any) -> None:
-        import signal as _signal
-
-        if self.proc is not None and self.proc.poll() is None:
-            self._signal(_signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10 if self.engine == "paco" else 60)
-            except subprocess.TimeoutExpired:
-                self._signal(_signal.SIGKILL)
-                self.proc.wait()
-        elif self.proc is not None and self.engine == "vllm":
-            try:  # the API server is gone; its engine processes may not be
-                os.killpg(self.proc.pid, _signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        return LocalJudgeServer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

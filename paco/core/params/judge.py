@@ -4,9 +4,10 @@ final sampling reach the judge; see :mod:`paco.core.params` for the typing rules
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from paco.core.params.base import FloatPair, _Section
 
@@ -177,15 +178,48 @@ class RewardEvalParams(_Section):
 # --------------------------------------------------------------------------------------------
 
 
-class JudgeServerParams(_Section):
-    """The local CPU judge server (``python -m paco.judge.serve``), used when ``judge_endpoint.url`` is null."""
+#: ``vllm serve`` flags the command builder sets itself (``paco.judge.local_server.vllm_command``):
+#: ``judge_endpoint.server.extra_args`` may not repeat them (``--x_y`` and ``--x-y`` are one flag to vLLM)
+VLLM_BUILDER_FLAGS = frozenset({
+    "--model", "--served-model-name", "--host", "--port", "--dtype", "--max-logprobs", "--gpu-memory-utilization",
+    "--tensor-parallel-size", "-tp", "--seed", "--max-model-len",
+})
 
+
+class JudgeServerParams(_Section):
+    """The judge server a stage starts for itself when ``judge_endpoint.url`` is null: ``engine: paco``
+    (``python -m paco.judge.serve``, CPU or one GPU, batch-invariant log-probs) or ``engine: vllm``
+    (``vllm serve`` on ``gpus`` GPUs of the stage's own job, the reference's
+    ``PaCo-GRPO/vllm_server/launch.sh``; its log-probs depend on the batch). ``max_batch_size``,
+    ``max_wait_ms``, ``threads``, ``device`` and ``batching`` are the paco engine's;
+    ``gpu_memory_utilization``, ``python`` and ``extra_args`` vLLM's.
+
+    Raises (validation):
+        ValueError: ``engine: vllm`` with ``batching`` other than ``auto``; ``engine: paco`` with
+            ``dtype: auto``, a ``python`` or ``extra_args``; ``extra_args`` repeating a flag of
+            :data:`VLLM_BUILDER_FLAGS`.
+    """
+
+    engine: Literal["paco", "vllm"] = Field(
+        "paco", description="paco: python -m paco.judge.serve (batch-invariant); vllm: vllm serve (the "
+        "reference's server, needs GPUs: judge_endpoint.server.gpus > 0)")
+    gpus: int = Field(0, ge=0, description="the first N GPUs of the job's allocation on each node serve the judge "
+                      "(paco.core.launch --serves_judge gives the rest to the stage's processes, so "
+                      "resources.processes = resources.gpus - gpus); 0: the judge shares the stage's GPUs or CPU. "
+                      "Launch-only (a change reruns nothing)")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM's --gpu-memory-utilization "
+                                          "(PaCo-GRPO/vllm_server/launch.sh l.16: 0.85)")
+    python: str | None = Field(None, description="interpreter that runs vLLM (the reference installs vLLM in an "
+                               "env of its own: vLLM pins an exact torch); null: this Python")
+    extra_args: list[str] = Field(default_factory=list, description="further vllm serve flags, e.g. "
+                                  "['--limit-mm-per-prompt', '{\"image\": 2}'] for an older vLLM")
     max_batch_size: int = Field(32, ge=1, description="requests per forward pass")
     max_wait_ms: float = Field(10.0, ge=0, description="wait for more requests after the first")
     threads: int = Field(0, ge=0, description="torch threads of the server (0: torch's default)")
     startup_timeout_s: float = Field(180.0, gt=0)
     device: str = Field("auto", description="auto (cuda if available) | cpu | cuda | cuda:N")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32", description="weights' dtype; auto (vLLM only): the checkpoint's torch_dtype, as launch.sh")
     max_logprobs: int = Field(20, ge=1, description="largest top_logprobs served (vLLM's --max-logprobs)")
     batching: Literal["auto", "same_shape", "single", "dynamic"] = Field(
         "auto", description="how concurrent requests share forward passes: single (one request per pass) "
@@ -196,16 +230,57 @@ class JudgeServerParams(_Section):
     max_model_len: int | None = Field(None, ge=2, description="context limit below the model's "
                                       "max_position_embeddings (vLLM's --max-model-len); longer prompts are refused")
 
+    @model_validator(mode="after")
+    def _check_engine(self) -> "JudgeServerParams":
+        if self.engine == "vllm" and self.batching != "auto":
+            raise ValueError(f"judge_endpoint.server.batching {self.batching!r} with engine vllm: vLLM batches as it "
+                             "does (batching is the paco engine's); set batching: auto")
+        if self.engine == "paco":
+            if self.dtype == "auto":
+                raise ValueError("judge_endpoint.server.dtype auto is vLLM's (engine vllm); the paco engine needs "
+                                 "float32 or bfloat16")
+            if self.python is not None or self.extra_args:
+                raise ValueError("judge_endpoint.server.python / extra_args are for engine vllm; the paco engine "
+                                 "runs this Python with the project's own flags")
+        repeated = sorted({a.split("=", 1)[0].replace("_", "-") for a in self.extra_args if a.startswith("-")}
+                          & VLLM_BUILDER_FLAGS)
+        if repeated:
+            raise ValueError(f"judge_endpoint.server.extra_args repeat {repeated}, which the command builder sets "
+                             "from the other judge_endpoint.server keys")
+        return self
+
+
+#: ``judge_endpoint.model`` of the judge this pipeline trains (``reward_merge``'s output)
+JUDGE_TRAINED = "data/reward_merge/model"
+#: ``judge_endpoint.model`` of a judge fetched by the ``models`` stage (group 1: the role)
+JUDGE_ROLE_PATH = re.compile(r"data/models/([a-z][a-z0-9_]*)")
+
 
 class JudgeEndpointParams(_Section):
     """How PaCo-GRPO reaches the PaCo-Reward judge (OpenAI-compatible, see ``paco.judge.serve``).
 
-    ``url: null`` starts ``python -m paco.judge.serve`` on the ``reward_merge`` model on a free
-    localhost port for the stage's lifetime; a URL (``http://host:8000/v1`` of ``vllm serve
-    <merged judge> --served-model-name <served_model_name>``) uses that server instead.
+    ``url: null`` starts a judge server (``server.engine``: ``python -m paco.judge.serve`` or vLLM,
+    on ``server.gpus`` GPUs of the stage's own job) on the judge model on a free localhost port for
+    the stage's lifetime; a URL (``http://host:8000/v1`` of ``vllm serve <merged judge>
+    --served-model-name <served_model_name>``) uses that server instead.
+
+    Raises (validation):
+        ValueError: ``url`` null with ``server.engine: vllm`` and ``server.gpus`` 0 (no GPU for it).
+
+    ``model`` is the judge directory (a data dependency of ``grpo``, ``final_samples`` and
+    ``reward_eval``): ``data/reward_merge/model`` (the judge this pipeline trains) or
+    ``data/models/<role>`` (a released judge fetched by the ``models`` stage, e.g. role
+    ``paco_reward: X-GenGroup/PaCo-Reward-7B``; then no judge-training stage is upstream of GRPO).
+    That the role exists is checked with the ``models`` section
+    (:class:`paco.core.params.schema.Params`).
+
+    Raises (validation):
+        ValueError: ``model`` of neither form.
     """
 
     url: str | None = None
+    model: str = Field(JUDGE_TRAINED, description="judge directory: data/reward_merge/model (trained here) or "
+                       "data/models/<role> (a released judge, e.g. role paco_reward: X-GenGroup/PaCo-Reward-7B)")
     served_model_name: str = "paco-reward"
     api_key_env: str | None = Field(None, description="NAME of the env variable holding the key")
     instruction: Literal["theme", "rank"] = Field(
@@ -222,6 +297,21 @@ class JudgeEndpointParams(_Section):
     top_logprobs: int = Field(20, ge=1, description="first tokens asked for; at most the server's --max-logprobs "
                               "(vLLM and paco.judge.serve default 20)")
     server: JudgeServerParams = Field(default_factory=JudgeServerParams)
+
+    @field_validator("model")
+    @classmethod
+    def _model_path(cls, model: str) -> str:
+        if model != JUDGE_TRAINED and not JUDGE_ROLE_PATH.fullmatch(model):
+            raise ValueError(f"judge_endpoint.model {model!r}: write {JUDGE_TRAINED} (the judge trained here) or "
+                             "data/models/<role> (a released judge: a models role)")
+        return model
+
+    @model_validator(mode="after")
+    def _check_vllm_gpus(self) -> "JudgeEndpointParams":
+        if self.url is None and self.server.engine == "vllm" and self.server.gpus == 0:
+            raise ValueError("judge_endpoint.server.gpus is 0 with engine vllm: a served vLLM judge needs GPUs of "
+                             "its own (this project does not run vLLM on CPU); set gpus >= 1, or engine: paco")
+        return self
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "JudgeEndpointParams":

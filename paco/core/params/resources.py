@@ -3,9 +3,20 @@ member's own are :class:`paco.core.params.grpo.SubtaskResources`)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from paco.core.params.base import _Section
+
+
+def check_nodes(nodes: int, gpus: int) -> None:
+    """``nodes`` > 1 spans several SLURM nodes, one launcher each (``paco.core.launch``): only for
+    GPU stages.
+
+    Raises:
+        ValueError: ``nodes`` > 1 and ``gpus`` 0.
+    """
+    if nodes > 1 and gpus == 0:
+        raise ValueError(f"nodes {nodes} with gpus 0: several nodes are for GPU stages (gpus per node > 0)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -16,14 +27,20 @@ from paco.core.params.base import _Section
 class StageResources(_Section):
     """Per-stage resources for launchers and SLURM (Snakemake ``resources:``)."""
 
-    processes: int = Field(1, ge=1, description="accelerate processes (one per GPU on GPUs)")
-    gpus: int = Field(0, ge=0)
+    processes: int = Field(1, ge=1, description="accelerate processes per node (one per GPU on GPUs)")
+    gpus: int = Field(0, ge=0, description="GPUs per node")
+    nodes: int = Field(1, ge=1, description="SLURM nodes; > 1: paco.core.launch starts one launcher per node")
     cpus_per_task: int = Field(1, ge=1, description="CPU threads per task (cpus_per_gpu on GPUs)")
     mem_mb: int = Field(4000, ge=100)
     runtime: int = Field(30, ge=1, description="minutes")
     accelerate_config: str = Field(
         "cpu", description="workflow/accelerate/<name>.yaml for `accelerate launch` (cpu, ddp, zero2, fsdp)"
     )
+
+    @model_validator(mode="after")
+    def _nodes_need_gpus(self) -> StageResources:
+        check_nodes(self.nodes, self.gpus)
+        return self
 
 
 class ResourcesParams(_Section):

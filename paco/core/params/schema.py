@@ -11,9 +11,9 @@ from pydantic import Field, ValidationError, model_validator
 from paco.core.params.base import ParamsError, _format_errors, _Section, read_params_yaml
 from paco.core.params.data import (CompositesParams, EditsParams, ModelsParams, PairsParams, PromptsParams,
                                    SubfiguresParams)
-from paco.core.params.grpo import FinalSamplesParams, GrpoSubtaskParams
-from paco.core.params.judge import (JudgeEndpointParams, ReasonsParams, RewardEvalParams, RewardMergeParams,
-                                    RewardTrainParams)
+from paco.core.params.grpo import LORA_GRPO_PATH, LORA_ROLE_PATH, FinalSamplesParams, GrpoSubtaskParams
+from paco.core.params.judge import (JUDGE_ROLE_PATH, JudgeEndpointParams, ReasonsParams, RewardEvalParams,
+                                    RewardMergeParams, RewardTrainParams)
 from paco.core.params.resources import ResourcesParams
 
 
@@ -30,25 +30,62 @@ class Params(_Section):
     reward_eval: RewardEvalParams = Field(default_factory=RewardEvalParams)
     judge_endpoint: JudgeEndpointParams = Field(default_factory=JudgeEndpointParams)
     grpo: dict[str, GrpoSubtaskParams] = Field(default_factory=lambda: {"t2is": GrpoSubtaskParams()})
-    final_samples: dict[str, FinalSamplesParams] = Field(default_factory=lambda: {"t2is": FinalSamplesParams()})
+    final_samples: dict[str, FinalSamplesParams] = Field(
+        default_factory=lambda: {"t2is": FinalSamplesParams(lora="data/grpo/t2is/lora")})
     resources: ResourcesParams = Field(default_factory=ResourcesParams)
 
     @model_validator(mode="after")
     def _subtasks(self) -> Params:
+        """Every subtask's policy is a models role; ``final_samples.<k>.lora`` names an existing
+        ``grpo.<g>`` (whose family and policy it must share) or models role; so does a
+        ``judge_endpoint.model`` of the ``data/models/<role>`` form."""
         roles = self.models.roles()
         for section in ("grpo", "final_samples"):
             for key, cfg in getattr(self, section).items():
                 if cfg.policy not in roles:
                     raise ValueError(f"{section}.{key}.policy: {cfg.policy!r} is not a models role {sorted(roles)}")
-        missing = sorted(set(self.final_samples) - set(self.grpo))
-        if missing:
-            raise ValueError(f"final_samples subtask(s) {missing} have no grpo entry (final_samples.<k> uses "
-                             "grpo.<k>'s LoRA)")
         for key, cfg in self.final_samples.items():
-            trained = self.grpo[key]
+            trained_by = LORA_GRPO_PATH.fullmatch(cfg.lora)
+            if trained_by is None:  # data/models/<role>: a released LoRA
+                role = LORA_ROLE_PATH.fullmatch(cfg.lora)[1]  # type: ignore[index]
+                if role not in roles:
+                    raise ValueError(f"final_samples.{key}.lora {cfg.lora!r}: {role!r} is not a models role "
+                                     f"{sorted(roles)} (the models stage fetches a released LoRA as a role)")
+                continue
+            g = trained_by[1]
+            if g not in self.grpo:
+                raise ValueError(f"final_samples.{key}.lora {cfg.lora!r}: there is no grpo.{g} to train it (write "
+                                 "data/grpo/<k>/lora for grpo.<k>'s LoRA, or data/models/<role> for a released one)")
+            trained = self.grpo[g]
             if (cfg.family, cfg.policy) != (trained.family, trained.policy):
                 raise ValueError(f"final_samples.{key}: family/policy {cfg.family}/{cfg.policy} differ from "
-                                 f"grpo.{key}'s {trained.family}/{trained.policy} (its LoRA is for that model)")
+                                 f"grpo.{g}'s {trained.family}/{trained.policy} (its LoRA, {cfg.lora}, is for that "
+                                 "model)")
+        judge = JUDGE_ROLE_PATH.fullmatch(self.judge_endpoint.model)
+        if judge is not None and judge[1] not in roles:
+            raise ValueError(f"judge_endpoint.model {self.judge_endpoint.model!r}: {judge[1]!r} is not a models role "
+                             f"{sorted(roles)} (a released judge is fetched by the models stage as a role)")
+        return self
+
+    @model_validator(mode="after")
+    def _judge_gpus(self) -> Params:
+        """With a served judge on GPUs of the stage's own job (``judge_endpoint.url`` null,
+        ``judge_endpoint.server.gpus`` N > 0), every grpo / final_samples member's ``resources.gpus``
+        (per node) holds the N judge GPUs and one GPU per process (``paco.core.launch --serves_judge``
+        splits them so): ``processes == gpus - N``."""
+        judge = self.judge_endpoint
+        n = judge.server.gpus
+        if judge.url is not None or n == 0:
+            return self
+        for section in ("grpo", "final_samples"):
+            for key, cfg in getattr(self, section).items():
+                res = cfg.resources
+                if res.gpus <= n:
+                    raise ValueError(f"{section}.{key}.resources.gpus {res.gpus}: more than judge_endpoint.server.gpus "
+                                     f"{n} needed (the judge's GPUs plus one per process)")
+                if res.processes != res.gpus - n:
+                    raise ValueError(f"{section}.{key}.resources.processes {res.processes}: {res.gpus - n} processes "
+                                     f"expected: {res.gpus} GPUs minus judge_endpoint.server.gpus {n}")
         return self
 
 
