@@ -222,3 +222,91 @@ def test_stage_processes_run_the_same_cpu_code_paths_on_any_x86_64_cpu():
     dispatch, openblas, _ = stage_out["numpy"]
     assert not [t for t in dispatch if "512" in t or t == "X86_V4"], dispatch
     assert openblas == ["Haswell"]
+
+
+_HUB_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+# `python -m stages.models` with its body replaced by one that only imports huggingface_hub (so
+# the report reads the library's own HF_HUB_OFFLINE constant, fixed at import): the real entry,
+# import order and report, without building the models
+_MODELS = """
+import importlib, sys
+import stages.models as stage
+from paco.core.stage import StageOutput
+def body(args, params):
+    importlib.import_module("huggingface_hub")
+    return StageOutput({})
+stage._body = body
+sys.exit(stage.main(sys.argv[1:]))
+"""
+
+
+def _without_hub_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _HUB_ENV}
+
+
+def test_stages_after_models_run_offline(tmp_path):
+    """With HF_HUB_OFFLINE unset by the caller, a stage after ``models`` (prompts, launched as the
+    registry launches the accelerate stages: paco.core.launch, in place) runs with the hub off,
+    and the stages package turns it off before huggingface_hub reads it; ``models`` runs with
+    the hub on, unless the caller set HF_HUB_OFFLINE=1 itself."""
+    root = Path(__file__).resolve().parents[1]
+    env = _without_hub_env()
+    cmd = [sys.executable, "-m", "paco.core.launch", "--config_file", "workflow/accelerate/cpu.yaml",
+           "--num_processes", "1", "-m", "stages.prompts", "--params", "params.yaml",
+           "--jsonl", "data/raw/t2is_prompts.jsonl", "--out", str(tmp_path / "p" / "prompts.parquet"),
+           "--metrics", str(tmp_path / "p" / "metrics.json")]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "p" / "report.json").read_text())["run"]["hub_offline"] is True
+
+    # the library's constant, not only the variable: set before huggingface_hub is imported
+    probe = "import stages, huggingface_hub.constants as c, os; print(c.HF_HUB_OFFLINE, os.environ['TRANSFORMERS_OFFLINE'])"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "1"]
+    # a caller's own choice is kept: HF_HUB_OFFLINE=0 gives a later stage hub access
+    out = subprocess.run([sys.executable, "-c", probe.replace(", os.environ['TRANSFORMERS_OFFLINE']", "")], cwd=root,
+                         env={**env, "HF_HUB_OFFLINE": "0"}, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
+
+    def models(extra: dict[str, str]) -> bool:
+        out = tmp_path / "m" / "metrics.json"
+        proc = subprocess.run([sys.executable, "-c", _MODELS, "--params", "params.yaml", "--out", str(tmp_path / "m"),
+                               "--metrics", str(out)], cwd=root, env={**env, **extra}, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(out.with_name("report.json").read_text())["run"]["hub_offline"]
+
+    assert models({}) is False
+    assert models({"HF_HUB_OFFLINE": "1"}) is True
+
+
+def test_the_stages_package_undoes_only_what_it_set():
+    import stages
+
+    env: dict[str, str] = {}
+    assert stages.hub_offline_by_default(env) == _HUB_ENV and env == {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for caller in ({"HF_HUB_OFFLINE": "1"}, {"TRANSFORMERS_OFFLINE": "0"}, {"HF_HUB_OFFLINE": ""}):
+        env = dict(caller)
+        assert stages.hub_offline_by_default(env) == () and env == caller
+    saved = stages.OFFLINE_SET_HERE
+    try:
+        stages.OFFLINE_SET_HERE = _HUB_ENV
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": "/x"}
+        assert stages.undo_hub_offline(env) == _HUB_ENV and env == {"HF_HOME": "/x"}
+        assert stages.undo_hub_offline(env) == () and stages.OFFLINE_SET_HERE == ()  # once
+        stages.OFFLINE_SET_HERE = ()  # the caller had set them: kept
+        env = {"HF_HUB_OFFLINE": "1"}
+        assert stages.undo_hub_offline(env) == () and env == {"HF_HUB_OFFLINE": "1"}
+    finally:
+        stages.OFFLINE_SET_HERE = saved
+
+
+def test_the_launcher_imports_no_hub_library_before_the_stage():
+    """paco.core.launch checks the params in its own process, then runs the stage in place: if
+    that check imported huggingface_hub, the stages package would set HF_HUB_OFFLINE too late."""
+    probe = ("import sys; from paco.core.launch import main; from paco.core.params.cli import main as check; "
+             "check(['params.yaml']); print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('huggingface_hub', 'transformers', 'diffusers')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split()[-1] == "[]"

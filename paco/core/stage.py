@@ -92,6 +92,19 @@ def broadcast_from_main(accelerator: Any, obj: Any) -> Any:
     return box[0]
 
 
+def hub_offline() -> bool:
+    """Whether this process runs with the Hugging Face hub off: ``huggingface_hub``'s
+    ``HF_HUB_OFFLINE`` constant when the module is loaded (it reads the environment once, at
+    import), else the environment now (``HF_HUB_OFFLINE`` or else ``TRANSFORMERS_OFFLINE`` true:
+    ``1``/``ON``/``YES``/``TRUE``, case-insensitive, as huggingface_hub/constants.py reads them).
+    Every stage but ``models`` sets both by default (``stages/__init__.py``)."""
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        return bool(constants.HF_HUB_OFFLINE)
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
 def launch_info() -> dict[str, Any]:
     """How this process was launched, for ``report.json``'s ``run``: ``processes`` (the launcher's
     ``WORLD_SIZE``, 1 without one) and, inside a SLURM job, ``slurm`` with the job id, the node
@@ -101,8 +114,9 @@ def launch_info() -> dict[str, Any]:
     torch) and the variables a stage's bytes depend on (``PACO_NUM_THREADS``,
     ``OMP_NUM_THREADS``, ``OMP_DYNAMIC``, ``MKL_DYNAMIC``, the CPU code-path variables of
     :data:`paco.core.numerics.FIXED_CPU_ISA_ENV`; ``None`` when unset); ``numerics``: the code
-    paths the loaded libraries actually run (:func:`paco.core.numerics.numerics_info`)."""
-    info: dict[str, Any] = {"processes": int(os.environ.get("WORLD_SIZE", "1"))}
+    paths the loaded libraries actually run (:func:`paco.core.numerics.numerics_info`);
+    ``hub_offline``: :func:`hub_offline`."""
+    info: dict[str, Any] = {"processes": int(os.environ.get("WORLD_SIZE", "1")), "hub_offline": hub_offline()}
     torch = sys.modules.get("torch")
     info["threads"] = {"torch": torch.get_num_threads() if torch is not None else None,
                        **{k: os.environ.get(k) for k in ("PACO_NUM_THREADS", "OMP_NUM_THREADS", *FIXED_THREAD_ENV,
