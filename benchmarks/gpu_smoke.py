@@ -19,10 +19,11 @@ sft        one optimizer step of :func:`paco.judge.training.train_reward` (``rew
            its end-of-epoch evaluation and checkpoint, on 32 + 8 synthetic pairs
 merge      ``python -m stages.reward_merge`` (in process: ``stages.reward_merge.main``) on a
            params file written beside the models; it checks unmerged = merged = reloaded
-serve      ``vllm serve`` of the merged judge (``LocalJudgeServer(engine="vllm")``, when ``vllm``
-           imports and the device is CUDA) in float32 and in the run's dtype, then the project's
-           server ``paco.judge.serve`` (the preset's ``judge_endpoint.server`` settings, kept up
-           for GRPO and final sampling), each scored with :class:`paco.judge.client.JudgeClient`
+serve      the project's server ``paco.judge.serve`` (the preset's ``judge_endpoint.server``
+           settings with ``engine paco`` on the run's one device, kept up for GRPO and final
+           sampling), then after ``final`` ``vllm serve`` of the merged judge
+           (``LocalJudgeServer(engine="vllm")``, when ``vllm`` imports and the device is CUDA) in
+           float32 and in the run's dtype, each scored with :class:`paco.judge.client.JudgeClient`
            and compared with the in-process :class:`paco.judge.model.Judge` in the same dtype
 grpo       one epoch of :func:`paco.grpo.trainer.train_grpo` (``grpo.t2is`` of the preset:
            10 steps, SDE step 1, noise 0.7, LoRA r 64 / alpha 128, rewards consistency (the
@@ -33,10 +34,17 @@ final      :func:`paco.grpo.final_samples.final_samples` (``final_samples.t2is``
            1024 px) with and without the GRPO LoRA, scored by the served judge
 =========  ===================================================================================
 
+The vLLM rows run last, after the project's server stopped; without ``vllm`` the run prints
+"vLLM not installed: the vllm engine is skipped" and goes on. ``--budget-s S`` (default 480 on
+CUDA, none on CPU; :class:`memory_plan.Budget`) starts a stage only if it is expected to end
+within ``S`` seconds of the start, else records it ``skipped``. Last comes the memory plan of the
+paper preset (:mod:`memory_plan`, stored as ``memory_plan``), with activations measured per block
+during the SFT step and the GRPO epoch on CUDA at the real widths in bf16, analytic otherwise.
+
 Prints a table (stage, seconds, peak GiB allocated by this process, device GiB in use at the
-stage's end -- which includes a judge server's process --, throughput) and writes everything
-to ``--out`` (JSON). Figures only: the checks are ``tests/test_gpu.py`` (``-m gpu``) and, for
-the CPU path, ``tests/test_gpu.py::test_the_smoke_script_runs_on_cpu``.
+stage's end -- which includes a judge server's process --, throughput), then the memory plan,
+and writes everything to ``--out`` (JSON). Figures only: the checks are ``tests/test_gpu.py``
+(``-m gpu``) and, for the CPU path, ``tests/test_gpu.py::test_the_smoke_script_runs_on_cpu``.
 
 ``--device cpu --dtype float32 --width-scale S`` runs the same code at widths times ``S``
 (head counts and feed-forward widths scaled, depths unchanged) with the CPU sizes below, so the
@@ -47,7 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
+import importlib.util
 import json
 import math
 import sys
@@ -57,12 +65,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+_T0 = time.perf_counter()  # the budget counts from here (a cold start: the heavy imports come later)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from smoke_inputs import pair_images, prompts_table, sft_table  # noqa: E402
-
+# a stage process's set-up (stages/__init__.py) before numpy loads: fixed numerics env, hub offline
+importlib.import_module("stages")
+import memory_plan  # noqa: E402
 import numpy as np  # noqa: E402
+from smoke_inputs import pair_images, prompts_table, sft_table  # noqa: E402
 
 #: sizes of the run per device: rollout / evaluation / final px, rollout and evaluation / final
 #: steps, text tokens, judge panel px, prompts per epoch, group size, final seeds per prompt, pairs
@@ -91,11 +103,6 @@ SERVER_TOLERANCE = 1e-3
 VLLM_TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2}
 
 
-def vllm_tolerance(dtype: str) -> float:
-    """:data:`VLLM_TOLERANCE` of ``dtype``."""
-    return VLLM_TOLERANCE[dtype]
-
-
 # --------------------------------------------------------------------------------------------
 # params: the paper preset scaled to a smoke run
 # --------------------------------------------------------------------------------------------
@@ -114,7 +121,8 @@ def smoke_params(device: str, dtype: str, sizes: dict[str, int], top_logprobs: i
                                    gradient_accumulation_steps=sizes["sft_accumulation"])
     raw["reward_merge"].update(dtype=dtype)
     raw["judge_endpoint"].update(url=None, top_logprobs=top_logprobs, concurrency=16)
-    raw["judge_endpoint"]["server"].update(device=device, dtype=dtype, max_logprobs=top_logprobs)
+    # the project's server on the run's one device (the preset's vLLM on a GPU of its own: the vLLM rows)
+    raw["judge_endpoint"]["server"].update(engine="paco", gpus=0, device=device, dtype=dtype, max_logprobs=top_logprobs)
     g = raw["grpo"]["t2is"]
     g.update(epochs=1, prompts_per_epoch=sizes["prompts_per_epoch"], group_size=sizes["group_size"], save_every=1,
              dtype=dtype)
@@ -126,42 +134,6 @@ def smoke_params(device: str, dtype: str, sizes: dict[str, int], top_logprobs: i
     f.update(resolution=sizes["final_resolution"], num_steps=sizes["sample_steps"],
              seeds_per_prompt=sizes["seeds_per_prompt"], max_sequence_length=sizes["max_sequence_length"], dtype=dtype)
     return raw
-
-
-# --------------------------------------------------------------------------------------------
-# timing and memory
-# --------------------------------------------------------------------------------------------
-
-
-class Stages:
-    """Per-stage wall seconds and CUDA memory (``max_memory_allocated`` reset at the start,
-    in GiB; ``device_used_gib``: total minus free device memory at the end, every process)."""
-
-    def __init__(self, device: str):
-        self.cuda = device.startswith("cuda")
-        self.rows: dict[str, dict[str, Any]] = {}
-
-    @contextlib.contextmanager
-    def stage(self, name: str):
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        row: dict[str, Any] = {}
-        t0 = time.perf_counter()
-        try:
-            yield row
-        finally:
-            if self.cuda:
-                torch.cuda.synchronize()
-            row["seconds"] = round(time.perf_counter() - t0, 3)
-            if self.cuda:
-                free, total = torch.cuda.mem_get_info()
-                row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-                row["device_used_gib"] = round((total - free) / 2**30, 3)
-            self.rows[name] = {**row, **self.rows.get(name, {})}
-            print(f"[gpu_smoke] {name}: {row['seconds']:.1f} s", file=sys.stderr, flush=True)
 
 
 def _lora_b_abs_max(path: Path) -> float:
@@ -191,34 +163,6 @@ def _release(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _serve_vllm(timer: Stages, merged: Path, name: str, dtype: str, top: int, triples: list, reference: np.ndarray,
-                log_path: Path) -> dict[str, Any]:
-    """Score ``triples`` through ``vllm serve`` of the merged judge (``LocalJudgeServer(engine="vllm")``)
-    and the project's client; a row with ``skipped`` (no CUDA, vllm does not import) or
-    ``failed`` (the server did not come up: its log tail) otherwise."""
-    from paco.judge.client import JudgeClient, JudgeError, LocalJudgeServer
-
-    if not timer.cuda:
-        return {"skipped": "vllm needs a CUDA device"}
-    try:
-        importlib.import_module("vllm")
-    except ImportError as exc:
-        return {"skipped": f"vllm does not import ({exc}): pip install -e '.[gpu]'"}
-    try:
-        with timer.stage(f"serve_vllm_{dtype}_start_and_score"), LocalJudgeServer(
-                merged, name, engine="vllm", dtype=dtype, max_logprobs=top, startup_timeout_s=900,
-                log_path=log_path) as url:
-            client = JudgeClient(url, name, concurrency=16, top_logprobs=top)
-            client.score(triples[:1])  # warm-up
-            t0 = time.perf_counter()
-            got = np.asarray(client.score(triples))
-            secs = time.perf_counter() - t0
-    except JudgeError as exc:
-        return {"failed": str(exc)[-3000:]}
-    return dict(scores=got.tolist(), max_abs_diff_vs_transformers=float(np.abs(got - reference).max()),
-                tolerance=vllm_tolerance(dtype), pairs_per_s=round(len(triples) / secs, 2))
-
-
 # --------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------
@@ -233,7 +177,7 @@ class _Run:
     dtype: str
     seed: int
     sizes: dict[str, int]
-    timer: Stages
+    timer: memory_plan.Stages
     dirs: dict[str, Path]
     top: int
     params: Any
@@ -248,7 +192,7 @@ class _Run:
 
 
 def _build(workdir: Path, device: str, dtype: str, width_scale: float, seed: int, sizes: dict[str, int],
-           timer: Stages) -> _Run:
+           timer: memory_plan.Stages) -> _Run:
     """Build the models, write the scaled paper params, make the run's one accelerator."""
     import yaml
     from accelerate import Accelerator
@@ -329,11 +273,8 @@ def _merge(run: _Run, sft_path: Path) -> Path:
     return merged
 
 
-def _reference_scores(run: _Run, merged: Path, engines: tuple[str, ...]) -> tuple[list, np.ndarray, dict[str, Any]]:
-    """(c, first half) the in-process judge's scores of the test pairs, then vLLM against them
-    (vLLM first: it wants most of the free device memory at start-up)."""
-    import torch
-
+def _reference_scores(run: _Run, merged: Path) -> tuple[list, np.ndarray]:
+    """(c, first half) the in-process judge's scores of the test pairs."""
     from paco.core.templates import judge_instruction
     from paco.judge.model import Judge
 
@@ -350,21 +291,56 @@ def _reference_scores(run: _Run, merged: Path, engines: tuple[str, ...]) -> tupl
         len(triples) / run.timer.rows["judge_in_process"]["seconds"], 2)
     del judge
     _release(run.timer.cuda)
-    serve_rows: dict[str, Any] = {}
-    if "vllm" in engines:
-        # float32 (tests/test_vllm.py's tolerance, weights upcast from the merged bf16 ones) and the
-        # run's dtype (the paper's serving), each against the in-process judge in the same dtype
-        for vdtype in dict.fromkeys(["float32", run.dtype]):
-            ref = reference
-            if vdtype != run.dtype and run.timer.cuda:
-                judge = Judge.from_pretrained(merged, dtype=torch.float32, device=run.device, batch_size=1)
-                ref = np.asarray(judge.score(triples))
-                del judge
-                _release(run.timer.cuda)
-            serve_rows[f"vllm-{vdtype}"] = _serve_vllm(run.timer, merged, run.params.judge_endpoint.served_model_name,
-                                                       vdtype, run.top, triples, ref,
-                                                       run.workdir / f"server/vllm-{vdtype}.log")
-    return triples, reference, serve_rows
+    return triples, reference
+
+
+def _vllm(run: _Run, merged: Path, triples: list, reference: np.ndarray, serve_rows: dict[str, Any],
+          budget: memory_plan.Budget) -> None:
+    """(c, last) ``vllm serve`` of the merged judge (``LocalJudgeServer(engine="vllm")``) in the run's
+    dtype (the paper's serving), then float32 (tests/test_vllm.py's tolerance, weights upcast from
+    the merged bf16 ones), scored through the project's client against the in-process judge
+    in the same dtype; after the project's server stopped and the policy was freed (vLLM takes
+    most of the free device memory at start-up). Each ``vllm-<dtype>`` row has the scores, or
+    ``skipped`` (not installed, no CUDA, budget) or ``failed`` (the server's log tail)."""
+    import torch
+
+    from paco.judge.client import JudgeClient, JudgeError, LocalJudgeServer
+    from paco.judge.model import Judge
+
+    dtypes, name = list(dict.fromkeys([run.dtype, "float32"])), run.params.judge_endpoint.served_model_name
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM not installed: the vllm engine is skipped", flush=True)
+        serve_rows.update({f"vllm-{d}": {"skipped": "vLLM not installed: pip install -e '.[gpu]'"} for d in dtypes})
+        return
+    for vdtype in dtypes:
+        stage, key = f"serve_vllm_{vdtype}_start_and_score", f"vllm-{vdtype}"
+        if not run.timer.cuda:
+            serve_rows[key] = {"skipped": "vllm needs a CUDA device"}
+            continue
+        if not budget.admit(stage, "vllm", needs=("judge_in_process",)):
+            serve_rows[key] = dict(run.timer.rows[stage])
+            continue
+        _release(True)
+        ref = reference
+        if vdtype != run.dtype:
+            judge = Judge.from_pretrained(merged, dtype=torch.float32, device=run.device, batch_size=1)
+            ref = np.asarray(judge.score(triples))
+            del judge
+            _release(True)
+        try:
+            with run.timer.stage(stage), LocalJudgeServer(
+                    merged, name, engine="vllm", dtype=vdtype, max_logprobs=run.top, startup_timeout_s=900,
+                    log_path=run.workdir / f"server/vllm-{vdtype}.log") as url:
+                client = JudgeClient(url, name, concurrency=16, top_logprobs=run.top)
+                client.score(triples[:1])  # warm-up
+                t0 = time.perf_counter()
+                got = np.asarray(client.score(triples))
+                secs = time.perf_counter() - t0
+        except JudgeError as exc:
+            serve_rows[key] = {"failed": str(exc)[-3000:]}
+            continue
+        serve_rows[key] = dict(scores=got.tolist(), max_abs_diff_vs_transformers=float(np.abs(got - ref).max()),
+                               tolerance=VLLM_TOLERANCE[vdtype], pairs_per_s=round(len(triples) / secs, 2))
 
 
 def _serve(run: _Run, url: str, triples: list, reference: np.ndarray, serve_rows: dict[str, Any],
@@ -380,7 +356,6 @@ def _serve(run: _Run, url: str, triples: list, reference: np.ndarray, serve_rows
         serve_rows["paco"] = dict(scores=got.tolist(), max_abs_diff_vs_transformers=float(np.abs(got - reference).max()),
                                   tolerance=SERVER_TOLERANCE,
                                   pairs_per_s=round(len(triples) / run.timer.rows["serve"]["seconds"], 2))
-    run.timer.rows.setdefault("serve", {}).update(engines=serve_rows, reference=reference.tolist(), pairs=len(triples))
 
 
 def _grpo(run: _Run, ctx: Any, prompts: Any) -> None:
@@ -437,69 +412,121 @@ def _final(run: _Run, ctx: Any, prompts: Any) -> None:
 
 
 def run_smoke(workdir: Path, *, device: str = "cuda", dtype: str = "bfloat16", width_scale: float = 1.0,
-              seed: int = 0, engines: tuple[str, ...] = ("paco", "vllm"), sizes: dict[str, int] | None = None
-              ) -> dict[str, Any]:
+              seed: int = 0, engines: tuple[str, ...] = ("paco", "vllm"), sizes: dict[str, int] | None = None,
+              budget_s: float | None = None, start: float | None = None) -> dict[str, Any]:
     """Build the models under ``workdir`` and run every stage (see the module docstring).
 
+    Args:
+        budget_s: the time limit (:class:`memory_plan.Budget`) in seconds since ``start``
+            (default: when this module was imported); ``None``: none.
+
     Returns:
-        ``{"config": ..., "stages": {name: {seconds, peak_gib, device_used_gib, ...figures}}}``;
-        per stage the figures the GPU tests check: ``sft.loss``, ``sft.lora_b_abs_max``,
-        ``merge.max_abs_diff``, ``serve.<engine>.{scores, max_abs_diff_vs_transformers}``,
+        ``{"config", "stages": {name: {seconds, peak_gib, device_used_gib, ...} or {"skipped": why}},
+        "budget", "memory_plan" (:func:`memory_plan.plan`), "memory_plan_measured" (``BlockProbe``'s,
+        ``{}`` unless CUDA bf16 at width 1), "checks"}``; the GPU tests check ``sft.{loss,
+        lora_b_abs_max}``, ``merge.max_abs_diff``, ``serve.<engine>.{scores, max_abs_diff_vs_transformers}``,
         ``grpo.{loss, lora_b_abs_max, rewards}``, ``final.{image_sizes, expected_size, rewards}``.
 
     Raises:
         RuntimeError: ``device`` is CUDA and none is available, or a stage exits non-zero.
+        ValueError: ``budget_s`` is not positive.
     """
     import torch
 
+    from paco.core.params import read_params_yaml
     from paco.grpo.judge_endpoint import judge_endpoint
     from paco.grpo.rewards import make_reward_context
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("gpu_smoke: --device cuda but torch.cuda.is_available() is false "
                            "(use --device cpu --dtype float32 --width-scale 0.04 for the CPU path)")
-    sizes = {**SIZES["cuda" if device.startswith("cuda") else "cpu"], **(sizes or {})}
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    sizes = {**SIZES[kind], **(sizes or {})}
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    timer = Stages(device)
+    timer = memory_plan.Stages(device)
+    budget = memory_plan.Budget(budget_s, memory_plan.ESTIMATE_S[kind], timer.rows, start=_T0 if start is None else start)
     results: dict[str, Any] = {"config": {"device": device, "dtype": dtype, "width_scale": width_scale, "seed": seed,
-                                          "sizes": sizes, "torch": torch.__version__,
+                                          "sizes": sizes, "torch": torch.__version__, "budget_s": budget_s,
                                           "gpu": torch.cuda.get_device_name() if timer.cuda else None},
                                "stages": timer.rows}
     run = _build(workdir, device, dtype, width_scale, seed, sizes, timer)
-    merged = _merge(run, _sft(run))
-    triples, reference, serve_rows = _reference_scores(run, merged, engines)
+    budget.calibrate(timer.rows["build"]["seconds"])
+    # saved activations per block, measured where they are the paper's (bf16 at the real widths on CUDA)
+    probe = memory_plan.BlockProbe(enabled=timer.cuda and dtype == "bfloat16" and width_scale == 1.0)
+    st: dict[str, Any] = {}
+    if budget.admit("sft"):
+        with probe:
+            st["sft"] = _sft(run)
+    if budget.admit("merge", needs=("sft",)):
+        st["merged"] = _merge(run, st["sft"])
+    if budget.admit("judge_in_process", needs=("merge",)):
+        st["triples"], st["reference"] = _reference_scores(run, st["merged"])
+    serve_rows: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        with timer.stage("serve_start"):
-            endpoint = stack.enter_context(judge_endpoint(run.params, merged, run.accelerator, workdir / "server"))
-            url = endpoint.url()
-        _serve(run, url, triples, reference, serve_rows, engines)
-        ctx = make_reward_context(run.params, endpoint, run.dirs["clip"])
-        prompts = prompts_table(run.params.grpo["t2is"].prompts_per_epoch, 2)
-        _grpo(run, ctx, prompts)
-        _final(run, ctx, prompts)
+        if budget.admit("serve_start", needs=("judge_in_process",)):
+            with timer.stage("serve_start"):
+                endpoint = stack.enter_context(judge_endpoint(run.params, st["merged"], run.accelerator,
+                                                              workdir / "server"))
+                url = endpoint.url()
+            if budget.admit("serve", needs=("serve_start",)):
+                _serve(run, url, st["triples"], st["reference"], serve_rows, engines)
+            # the smoke builds no PickScore role: its CLIP stands in (the embedded default's bytes alike)
+            rewards = [*run.params.grpo["t2is"].rewards, *run.params.final_samples["t2is"].rewards]
+            ctx = make_reward_context(run.params, endpoint, run.dirs["clip"], run.dirs["clip"], rewards=rewards,
+                                      device=device)
+            prompts = prompts_table(run.params.grpo["t2is"].prompts_per_epoch, 2)
+            if budget.admit("grpo", needs=("serve_start",)):
+                with probe:
+                    _grpo(run, ctx, prompts)
+            if budget.admit("final", needs=("grpo",)):
+                _final(run, ctx, prompts)
+    _release(timer.cuda)  # the policy and the scorers: vLLM wants the free memory
+    for name, dep in (("serve", "serve_start"), ("grpo", "serve_start"), ("final", "grpo")):
+        if name not in timer.rows:  # not tried: record why
+            budget.admit(name, needs=(dep,))
+    if "triples" in st:
+        if "vllm" in engines:
+            _vllm(run, st["merged"], st["triples"], st["reference"], serve_rows, budget)
+        timer.rows.setdefault("serve", {}).update(engines=serve_rows, reference=st["reference"].tolist(),
+                                                  pairs=len(st["triples"]))
+    results["memory_plan_measured"], results["memory_plan"] = probe.result(), []
+    try:  # a preset the plan cannot read must not cost the run's figures
+        results["memory_plan"] = memory_plan.plan(read_params_yaml(ROOT / "workflow/presets/paper.yaml"),
+                                                  probe.result() or None)
+    except (KeyError, ValueError) as exc:
+        results["memory_plan_error"] = f"{type(exc).__name__}: {exc}"
+    results["budget"] = dict(limit_s=budget_s, elapsed_s=round(budget.elapsed(), 1), factor=budget.factor,
+                             skipped={n: r["skipped"] for n, r in timer.rows.items() if "skipped" in r})
     results["checks"] = checks(results)
     return results
 
 
 def checks(results: dict[str, Any]) -> dict[str, bool]:
-    """The behaviour the GPU tests assert, computed from a run's results (names -> passed)."""
+    """The behaviour the GPU tests assert, computed from a run's results (names -> passed), for
+    the stages that ran."""
     s = results["stages"]
-    out = {
-        "sft_loss_finite": _finite(s["sft"].get("loss")),
-        "sft_lora_changed": s["sft"]["lora_b_abs_max"] > 0,
-        "merge_within_tolerance": max(s["merge"]["max_abs_diff"].values()) <= s["merge"]["tolerance"],
-        "grpo_loss_finite": _finite(s["grpo"].get("loss")),
-        "grpo_lora_changed": s["grpo"]["lora_b_abs_max"] > 0,
-        "final_image_size": s["final"]["image_sizes"] == [s["final"]["expected_size"]],
-        "scores_in_unit_interval": all(0.0 <= x <= 1.0 for x in s["final"]["consistency"] + s["serve"]["reference"]),
-    }
-    for engine, row in s["serve"]["engines"].items():
+    _ran = lambda stages, name: name in stages and "skipped" not in stages[name]  # noqa: E731
+    out: dict[str, bool] = {}
+    if _ran(s, "sft"):
+        out.update(sft_loss_finite=_finite(s["sft"].get("loss")), sft_lora_changed=s["sft"]["lora_b_abs_max"] > 0)
+    if _ran(s, "merge"):
+        out["merge_within_tolerance"] = max(s["merge"]["max_abs_diff"].values()) <= s["merge"]["tolerance"]
+    if _ran(s, "grpo"):
+        out.update(grpo_loss_finite=_finite(s["grpo"].get("loss")), grpo_lora_changed=s["grpo"]["lora_b_abs_max"] > 0)
+    if _ran(s, "final"):
+        out["final_image_size"] = s["final"]["image_sizes"] == [s["final"]["expected_size"]]
+    scores = (s["final"]["consistency"] if _ran(s, "final") else []) + s.get("serve", {}).get("reference", [])
+    out["scores_in_unit_interval"] = all(0.0 <= x <= 1.0 for x in scores)
+    for engine, row in s.get("serve", {}).get("engines", {}).items():
         if "failed" in row:
             out[f"{engine}_started"] = False
         if "scores" in row:
             out[f"{engine}_scores_in_unit_interval"] = all(0.0 <= x <= 1.0 for x in row["scores"])
             out[f"{engine}_matches_transformers"] = row["max_abs_diff_vs_transformers"] <= row["tolerance"]
+    out["memory_plan_finite"] = bool(results["memory_plan"]) and all(
+        _finite(r[k]) and r[k] > 0 for r in results["memory_plan"]
+        for k in ("weights_gib", "activations_gib", "total_gib", "total_ckpt_gib"))
     return out
 
 
@@ -515,9 +542,13 @@ def table(results: dict[str, Any]) -> str:
             rate.append(f"{engine} {e['pairs_per_s']:g} pairs/s" if "pairs_per_s" in e else
                         f"{engine}: {e.get('skipped') or 'failed to start'}")
         peak, used = row.get("peak_gib"), row.get("device_used_gib")
+        if "skipped" in row:
+            rate.insert(0, f"skipped: {row['skipped']}")
         lines.append(f"{name:18s} {row.get('seconds', float('nan')):9.1f} "
                      f"{'-' if peak is None else f'{peak:.2f}':>9s} {'-' if used is None else f'{used:.2f}':>10s}  "
                      + ", ".join(rate))
+    b = results["budget"]
+    lines.append(f"elapsed {b['elapsed_s']:.0f} s" + ("" if b["limit_s"] is None else f" of --budget-s {b['limit_s']:g}"))
     lines.append("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in results["checks"].items()))
     return "\n".join(lines)
 
@@ -533,7 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="paco,vllm", help="servers to score with: paco, vllm")
     ap.add_argument("--prompts-per-epoch", type=int, default=None)
     ap.add_argument("--group-size", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help=f"start a stage only if it is expected to end within this many seconds of the start "
+                         f"(default {memory_plan.CUDA_BUDGET_S:g} on cuda, no limit on cpu)")
     args = ap.parse_args(argv)
+    budget_s = memory_plan.CUDA_BUDGET_S if (args.budget_s is None and args.device == "cuda") else args.budget_s
     over = {k: v for k, v in (("prompts_per_epoch", args.prompts_per_epoch), ("group_size", args.group_size))
             if v is not None}
     import logging
@@ -550,8 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     with (tempfile.TemporaryDirectory(prefix="gpu-smoke-") if args.workdir is None
           else contextlib.nullcontext(str(args.workdir))) as wd:
         results = run_smoke(Path(wd), device=args.device, dtype=args.dtype, width_scale=args.width_scale,
-                            seed=args.seed, engines=tuple(args.engines.split(",")), sizes=over)
+                            seed=args.seed, engines=tuple(args.engines.split(",")), sizes=over, budget_s=budget_s)
     print(table(results))
+    print("\nmemory plan of workflow/presets/paper.yaml (GiB per GPU):")
+    print(memory_plan.format_table(results["memory_plan"]))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
