@@ -74,6 +74,10 @@ def test_paper_preset_validates_and_mirrors_the_default_sections():
     assert set(paper) == set(committed())
     assert paper["models"]["judge_base"] == "Qwen/Qwen2.5-VL-7B-Instruct"
     assert paper["composites"]["generate"]["height"] == 1024
+    # the reference's PickScore: PickScore_v1's weights with the ViT-H processor (pickscore_scorer.py l.8-9)
+    models = validate_params(paper, source="paper.yaml").models
+    assert models.roles()["pickscore"] == "yuvalkirstain/PickScore_v1"
+    assert models.processor_from == {"pickscore": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,7 +288,8 @@ def test_params_check_and_the_reward_stages_refuse_unknown_reward_names(tmp_path
     out = tmp_path / "params_check" / "params.json"
     assert params_check.main(["--params", str(path), "--out", str(out)]) == 2 and not out.exists()
     assert "  grpo.t2is.rewards: unknown reward(s) ['clip_tt']" in caplog.text
-    missing = {flag: str(tmp_path / "absent" / flag) for flag in ("items", "policy", "judge", "clip", "lora")}
+    missing = {flag: str(tmp_path / "absent" / flag) for flag in ("items", "policy", "judge", "clip", "pickscore",
+                                                                   "lora")}
     for stage, subtask, extra, key in (
             (grpo, "t2is", ("checkpoints", "plots", "metrics"), "grpo.t2is.rewards: unknown reward(s) ['clip_tt']"),
             (final_samples, "kontext_editing", ("out", "sheets", "metrics"),
@@ -295,3 +300,154 @@ def test_params_check_and_the_reward_stages_refuse_unknown_reward_names(tmp_path
             argv += [f"--{flag}", missing.get(flag, str(tmp_path / "absent" / flag))]
         assert stage.main(argv) == 2
         assert key in caplog.text and "absent" not in caplog.text  # before reading any input
+
+
+def test_a_served_vllm_judge_needs_gpus_and_matching_processes():
+    """``judge_endpoint.server``: engine vllm (url null) needs GPUs of its own; with ``gpus`` N > 0
+    every grpo / final_samples member holds N + processes GPUs (named by key); an external URL
+    asks nothing of the resources. The paper preset is 1 judge GPU + 7 trainer GPUs."""
+    def with_server(server: dict, grpo_resources: dict | None = None, url=None) -> dict:
+        raw = committed()
+        raw["judge_endpoint"]["url"] = url
+        raw["judge_endpoint"]["server"].update(server)
+        for section, res in (("grpo", {"gpus": 8, "processes": 7}), ("final_samples", {"gpus": 2, "processes": 1})):
+            for item in raw[section].values():
+                item["resources"].update(res)
+        raw["grpo"]["t2is"]["resources"].update(grpo_resources or {})
+        return raw
+
+    vllm = {"engine": "vllm", "gpus": 1, "dtype": "bfloat16"}
+    assert validate_params(with_server(vllm)).judge_endpoint.server.gpus == 1
+    with pytest.raises(ParamsError, match="judge_endpoint.server.gpus is 0 with engine vllm"):
+        validate_params(with_server({**vllm, "gpus": 0}))
+    with pytest.raises(ParamsError, match="grpo.t2is.resources.processes 8: 7 processes expected: 8 GPUs minus "
+                                          "judge_endpoint.server.gpus 1"):
+        validate_params(with_server(vllm, {"processes": 8}))
+    with pytest.raises(ParamsError, match="grpo.t2is.resources.gpus 1: more than judge_endpoint.server.gpus 1"):
+        validate_params(with_server(vllm, {"gpus": 1, "processes": 1}))
+    # the paco engine on the judge GPUs is checked alike; gpus 0 shares the stage's device as before
+    with pytest.raises(ParamsError, match="grpo.t2is.resources.processes 8"):
+        validate_params(with_server({"gpus": 1}, {"processes": 8}))
+    assert validate_params(with_server({"gpus": 0}, {"processes": 8}))
+    assert validate_params(with_server(vllm, {"processes": 8}, url="http://gpu-node:8000/v1"))
+    paper = load_params(ROOT / "workflow/presets/paper.yaml")
+    assert (paper.judge_endpoint.url, paper.judge_endpoint.server.engine, paper.judge_endpoint.server.gpus) == (
+        None, "vllm", 1)
+    assert {(k, g.resources.gpus, g.resources.processes) for k, g in paper.grpo.items()} == {
+        (k, 8, 7) for k in paper.grpo}
+    assert {(f.resources.gpus, f.resources.processes) for f in paper.final_samples.values()} == {(2, 1)}
+
+
+# --------------------------------------------------------------------------------------------
+# released checkpoints as inputs: judge_endpoint.model, final_samples.<k>.lora, their presets
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("model", "needle"), [
+    ("data/models/nope", "judge_endpoint.model 'data/models/nope': 'nope' is not a models role"),
+    ("data/reward_train/adapter", "judge_endpoint.model: Value error, judge_endpoint.model "
+                                  "'data/reward_train/adapter': write data/reward_merge/model"),
+    ("X-GenGroup/PaCo-Reward-7B", "judge_endpoint.model 'X-GenGroup/PaCo-Reward-7B': write data/reward_merge/model"),
+])
+def test_a_judge_model_is_the_trained_one_or_a_models_role(model, needle):
+    raw = committed()
+    raw["judge_endpoint"]["model"] = model
+    with pytest.raises(ParamsError) as err:
+        validate_params(raw, source="params.yaml")
+    assert needle in str(err.value)
+    raw["models"]["paco_reward"] = "X-GenGroup/PaCo-Reward-7B"
+    raw["judge_endpoint"]["model"] = "data/models/paco_reward"
+    assert validate_params(raw).judge_endpoint.model == "data/models/paco_reward"
+    assert validate_params(committed()).judge_endpoint.model == "data/reward_merge/model"
+
+
+def test_a_final_samples_lora_is_a_grpo_lora_of_the_same_model_or_a_released_one():
+    raw = committed()
+    raw["models"]["lora_a"] = "X-GenGroup/PaCo-FLUX.1-dev-Lora"
+    raw["final_samples"]["released"] = {**raw["final_samples"]["t2is"], "lora": "data/models/lora_a"}
+    params = validate_params(raw)  # no grpo.released: the LoRA is the models stage's
+    assert "released" not in params.grpo and params.final_samples["released"].lora == "data/models/lora_a"
+    for lora, needle in (
+        ("data/models/lora_b", "final_samples.released.lora 'data/models/lora_b': 'lora_b' is not a models role"),
+        ("data/grpo/nope/lora", "final_samples.released.lora 'data/grpo/nope/lora': there is no grpo.nope"),
+        ("data/grpo/t2is/lora/", "final_samples.released.lora: Value error, lora 'data/grpo/t2is/lora/': write"),
+        ("data/grpo/kontext_editing/lora", "final_samples.released: family/policy flux/policy_t2is differ from "
+                                           "grpo.kontext_editing's flux_kontext/policy_kontext"),
+    ):
+        raw["final_samples"]["released"]["lora"] = lora
+        with pytest.raises(ParamsError) as err:
+            validate_params(raw, source="params.yaml")
+        assert needle in str(err.value), lora
+    # another member may sample grpo.t2is's LoRA; a member without a lora is named
+    raw["final_samples"]["released"]["lora"] = "data/grpo/t2is/lora"
+    assert validate_params(raw).final_samples["released"].lora == "data/grpo/t2is/lora"
+    del raw["final_samples"]["released"]["lora"]
+    with pytest.raises(ParamsError, match=r"final_samples\.released: Value error, lora is required: write "
+                                          r"data/grpo/<subtask>/lora"):
+        validate_params(raw, source="params.yaml")
+
+
+#: what each released preset changes in paper.yaml (dotted key -> value; None: the key is removed)
+RELEASED_PRESETS = {
+    "paper_released_judge.yaml": {
+        "models.paco_reward": "X-GenGroup/PaCo-Reward-7B",
+        "judge_endpoint.model": "data/models/paco_reward",
+    },
+    "paper_released_loras.yaml": {
+        "models.paco_reward": "X-GenGroup/PaCo-Reward-7B",
+        "models.lora_paco_flux": "X-GenGroup/PaCo-FLUX.1-dev-Lora",
+        "models.lora_paco_kontext": "X-GenGroup/PaCo-FLUX.1-Kontext-Lora",
+        "models.lora_paco_qwen_edit": "X-GenGroup/PaCo-Qwen-Image-Edit-Lora",
+        **{f"models.allow_patterns.{role}": ["adapter_config.json", "adapter_model.safetensors",
+                                             "pytorch_lora_weights.safetensors"]
+           for role in ("lora_paco_flux", "lora_paco_kontext", "lora_paco_qwen_edit")},
+        "judge_endpoint.model": "data/models/paco_reward",
+        "grpo": {},
+        "final_samples.t2is.lora": "data/models/lora_paco_flux",
+        "final_samples.kontext_editing.lora": "data/models/lora_paco_kontext",
+        "final_samples.qwen_editing.lora": "data/models/lora_paco_qwen_edit",
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED_PRESETS))
+def test_released_presets_are_the_paper_preset_with_their_changes(name):
+    """Each released preset is paper.yaml plus the changes listed here, no more (no drift), and
+    validates and renders for both engines."""
+    from paco.core.params.base import read_params_yaml
+    from workflow import registry
+
+    expected = read_params_yaml(ROOT / "workflow/presets/paper.yaml")
+    for dotted, value in RELEASED_PRESETS[name].items():
+        *path, last = dotted.split(".")
+        node = expected
+        for key in path:
+            node = node.setdefault(key, {})
+        node[last] = value
+    preset = read_params_yaml(ROOT / "workflow/presets" / name)
+    assert preset == expected
+    params = load_params(ROOT / "workflow/presets" / name)
+    assert params.judge_endpoint.model == "data/models/paco_reward"
+    stages = registry.render_dvc(preset)["stages"]
+    assert "${judge_endpoint.model}" in stages["final_samples"]["do"]["deps"]
+    members = {m.dvc_name: m for s in registry.STAGES for m in s.members(preset)}
+    for key, cfg in params.final_samples.items():
+        m = members[f"final_samples@{key}"]
+        assert {cfg.lora, "data/models/paco_reward"} <= set(m.deps(preset))
+
+
+def test_several_nodes_are_for_gpu_stages():
+    raw = committed()
+    raw["grpo"]["t2is"]["resources"].update(nodes=2, gpus=8, processes=8)
+    raw["resources"]["stages"]["reward_train"] = {**raw["resources"]["stages"]["reward_train"], "nodes": 2, "gpus": 4}
+    params = validate_params(raw)
+    assert (params.grpo["t2is"].resources.nodes, params.resources.for_stage("reward_train").nodes) == (2, 2)
+    assert params.resources.default.nodes == 1
+    for path in (("grpo", "t2is", "resources"), ("resources", "stages", "reward_train")):
+        raw = committed()
+        node = raw
+        for key in path:
+            node = node[key]
+        node.update(nodes=2, gpus=0)
+        with pytest.raises(ParamsError, match=r"\.".join(path) + ": Value error, nodes 2 with gpus 0"):
+            validate_params(raw)

@@ -1,5 +1,6 @@
 """One DAG, two engines: dvc.yaml is the registry's rendering, and DVC and Snakemake agree."""
 
+import json
 import os
 import re
 import subprocess
@@ -83,7 +84,7 @@ def test_code_closure_follows_function_level_and_lazy_imports(tmp_path, monkeypa
 def test_foreach_members_take_their_item():
     params = {"grpo": {"a": {"policy": "p1", "dataset": "prompts", "resources": {"processes": 3, "accelerate_config": "ddp"}},
                        "b": {"policy": "p2", "dataset": "edits"}},
-              "resources": {"default": {"processes": 1, "gpus": 0}}}
+              "resources": {"default": {"processes": 1, "gpus": 0}}, "judge_endpoint": {"model": "data/models/j"}}
     stage = registry.by_name("grpo@a")
     assert stage.name == "grpo"
     a, b = stage.members(params)
@@ -91,7 +92,7 @@ def test_foreach_members_take_their_item():
     assert "--num_processes 3" in a.resolve(stage.cmd, params)
     assert "workflow/accelerate/ddp.yaml" in a.resolve(stage.cmd, params)
     assert "data/models/p2" in " ".join(b.deps(params)) and "data/edits/edits.parquet" in b.deps(params)
-    assert "data/prompts/prompts.parquet" in a.deps(params)
+    assert "data/prompts/prompts.parquet" in a.deps(params) and "data/models/j" in a.deps(params)
     assert a.resources(params)["processes"] == 3 and b.resources(params) == {"processes": 1, "gpus": 0}
     assert a.params_sections({**params, "judge_endpoint": {"x": 1}, "subfigures": {}})["grpo.a"]["policy"] == "p1"
     with pytest.raises(KeyError, match="final_samples"):
@@ -104,19 +105,19 @@ def test_interpolate_is_strict():
         interpolate("${a.c}", {"a": {"b": 3}})
 
 
-def _dvc_edges() -> set[tuple[str, str]]:
+def _dvc_edges(root: Path = ROOT) -> set[tuple[str, str]]:
     out = subprocess.run(
-        [sys.executable, "-m", "dvc", "dag", "--dot"], cwd=ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "dvc", "dag", "--dot"], cwd=root, capture_output=True, text=True, check=True
     ).stdout
     # foreach members are grpo@t2is in DVC and rule grpo_t2is in Snakemake
     edges = re.findall(r'"?([\w@.-]+)"?\s*->\s*"?([\w@.-]+)"?', out)
     return {(a.replace("@", "_"), b.replace("@", "_")) for a, b in edges}
 
 
-def _snakemake_edges() -> set[tuple[str, str]]:
+def _snakemake_edges(root: Path = ROOT) -> set[tuple[str, str]]:
     out = subprocess.run(
         [sys.executable, "-m", "snakemake", "--rulegraph", "--cores", "1", "--quiet", "all"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=root, capture_output=True, text=True, check=True,
     ).stdout
     labels = dict(re.findall(r'(\d+)\[label = "([^"]+)"', out))
     edges = {(labels[a], labels[b]) for a, b in re.findall(r"(\d+) -> (\d+)", out)}
@@ -217,13 +218,14 @@ def test_model_roles_come_from_the_params():
     from paco.core.params import ParamsError, validate_params
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    assert model_roles(params) == ("judge_base", "policy_t2is", "clip", "policy_kontext", "policy_qwen_edit")
+    assert model_roles(params) == ("judge_base", "policy_t2is", "clip", "pickscore", "policy_kontext",
+                                   "policy_qwen_edit")
     params["models"]["policy_other"] = "tiny:flux"
     params["grpo"]["other"] = {**params["grpo"]["t2is"], "policy": "policy_other"}
     models = next(s for s in registry.STAGES if s.name == "models")
     assert set(models.active_out_dirs(params)) == {f"data/models/{r}" for r in
-                                                   ("judge_base", "policy_t2is", "clip", "policy_kontext",
-                                                    "policy_qwen_edit", "policy_other")}
+                                                   ("judge_base", "policy_t2is", "clip", "pickscore",
+                                                    "policy_kontext", "policy_qwen_edit", "policy_other")}
     rendered = registry.render_dvc(params)["stages"]
     assert "data/models/policy_other" in rendered["models"]["outs"]
     assert validate_params(params, source="x").models.roles()["policy_other"] == "tiny:flux"
@@ -252,7 +254,10 @@ def test_launch_only_keys_rerun_nothing_in_either_engine():
     entries = grpo.params_entries(params)
     assert "grpo.${key}.epochs" in entries and "grpo.${key}.rollout.num_steps" in entries
     assert not any("resources" in e or "overlap_rewards" in e for e in entries)
-    assert "grpo.${key}" not in entries and {"judge_endpoint", "subfigures"} <= set(entries)
+    assert "grpo.${key}" not in entries and "subfigures" in entries
+    # judge_endpoint is listed by its keys but server.gpus (how the job's GPUs are split)
+    assert {"judge_endpoint.url", "judge_endpoint.server.engine", "judge_endpoint.server.dtype"} <= set(entries)
+    assert "judge_endpoint" not in entries and "judge_endpoint.server.gpus" not in entries
     assert "${item.resources.processes}" in grpo.cmd and "${item.resources.accelerate_config}" in grpo.cmd
     # every key of the section but the launch-only ones is covered
     section = params["grpo"]["t2is"]
@@ -264,6 +269,19 @@ def test_launch_only_keys_rerun_nothing_in_either_engine():
     before = dict(sections)
     params["grpo"]["t2is"]["resources"]["runtime"] += 60
     assert member.params_sections(params) == before
+    # judge_endpoint.server.gpus is launch-only for both stages that serve a judge; its engine is not
+    for stage in (grpo, registry.by_name("final_samples")):
+        m = stage.members(params)[0]
+        judge_before = m.params_sections(params)
+        assert "gpus" not in judge_before["judge_endpoint"]["server"]
+        params["judge_endpoint"]["server"]["gpus"] = 1
+        assert m.params_sections(params) == judge_before, stage.name
+        params["judge_endpoint"]["server"]["gpus"] = 0
+        params["judge_endpoint"]["server"]["engine"] = "vllm"
+        assert m.params_sections(params) != judge_before, stage.name
+        params["judge_endpoint"]["server"]["engine"] = "paco"
+        assert "--serves_judge -m stages." in stage.cmd
+    assert "--serves_judge" not in registry.by_name("reward_train").cmd
     # the committed params write every subtask with the same keys, so no foreach stage falls back
     # to tracking its whole section (resources included) in either engine
     for stage in (s for s in registry.STAGES if s.foreach):
@@ -272,3 +290,119 @@ def test_launch_only_keys_rerun_nothing_in_either_engine():
     # members that do not share their keys: the whole section is tracked (nothing goes untracked)
     params["grpo"]["other"] = {k: v for k, v in params["grpo"]["t2is"].items() if k != "save_every"}
     assert "grpo.${key}" in grpo.params_entries(params)
+
+
+_LOCALRULES = """
+import json
+from pathlib import Path
+from snakemake.api import SnakemakeApi
+from snakemake.settings.types import OutputSettings, ResourceSettings
+with SnakemakeApi(OutputSettings()) as api:
+    workflow = api.workflow(resource_settings=ResourceSettings(cores=1), snakefile=Path("Snakefile"))._workflow
+    print(json.dumps(sorted(workflow._localrules)))
+"""
+
+
+def test_the_downloading_stages_are_the_snakefiles_localrules():
+    """``models`` (the only stage that downloads) runs on the submitting host under a SLURM
+    profile and every other rule is submitted: the localrules Snakemake reads from the Snakefile
+    (parsed by Snakemake's API, no job run) are exactly the downloading stages' rules."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert [s.name for s in registry.STAGES if s.downloads] == ["models"]
+    assert registry.local_rules(params) == ["models"]
+    out = subprocess.run([sys.executable, "-c", _LOCALRULES], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.splitlines()[-1]) == ["models"]
+    # a foreach stage that downloaded would give one local rule per member
+    grpo = registry.by_name("grpo")
+    object.__setattr__(grpo, "downloads", True)
+    try:
+        assert registry.local_rules(params) == ["models", *(f"grpo_{k}" for k in params["grpo"])]
+    finally:
+        object.__setattr__(grpo, "downloads", False)
+
+
+def _preset_repo(root: Path, preset: str) -> Path:
+    """A DVC repo at ``root`` whose params.yaml is ``workflow/presets/<preset>`` and dvc.yaml its
+    rendering, with the code linked in and an empty file at every external input (the raw data a
+    paper run imports), so both engines can build the DAG."""
+    from paco.core.params.base import read_params_yaml
+
+    config = read_params_yaml(ROOT / "workflow" / "presets" / preset)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text((ROOT / "workflow" / "presets" / preset).read_text())
+    (root / "dvc.yaml").write_text(registry.dump_dvc(config))
+    for name in ("Snakefile", "workflow", "paco", "stages"):
+        (root / name).symlink_to(ROOT / name)
+    members = [m for s in registry.STAGES for m in s.members(config)]
+    made = {m.resolve(p, config) for m in members for p in (*m.stage.active_out_dirs(config), *m.stage.outs,
+                                                              *m.stage.metrics, *m.stage.plot_outs)}
+    for dep in {d for m in members for d in m.deps(config)} - made:
+        (root / dep).parent.mkdir(parents=True, exist_ok=True)
+        (root / dep).touch()
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
+    return root
+
+
+def _ancestors(edges: set[tuple[str, str]], node: str) -> set[str]:
+    found, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for a, b in edges:
+            if b == n and a not in found:
+                found.add(a)
+                todo.append(a)
+    return found
+
+
+def test_dag_with_a_released_judge_has_no_judge_training(tmp_path):
+    """With the released judge (workflow/presets/paper_released_judge.yaml: judge_endpoint.model
+    data/models/paco_reward) GRPO needs no judge training: in both engines grpo@t2is's ancestors
+    are the models and prompts stages only; with the judge trained here they hold the whole judge
+    half (and reward_eval evaluates whichever judge is named)."""
+    judge_half = {"reasons", "reward_train", "reward_merge", "pairs", "subfigures", "composites"}
+    default = _dvc_edges()
+    assert judge_half <= _ancestors(default, "grpo_t2is")
+    repo = _preset_repo(tmp_path / "repo", "paper_released_judge.yaml")
+    dvc = _dvc_edges(repo)
+    assert dvc == _snakemake_edges(repo)
+    assert _ancestors(dvc, "grpo_t2is") == {"models", "prompts"}
+    assert not judge_half & _ancestors(dvc, "final_samples_t2is")
+    assert ("models", "reward_eval") in dvc and ("reward_merge", "reward_eval") not in dvc
+    assert ("reward_merge", "reward_eval") in default
+    # the released LoRAs too (paper_released_loras.yaml, grpo: {}): final sampling needs the models
+    # and the items only, and no grpo member is rendered (DVC takes an empty foreach)
+    loras = _dvc_edges(_preset_repo(tmp_path / "loras", "paper_released_loras.yaml"))
+    assert _ancestors(loras, "final_samples_t2is") == {"models", "prompts"}
+    assert _ancestors(loras, "final_samples_qwen_editing") == {"models", "edits"}
+    assert not any(n.startswith("grpo") for e in loras for n in e)
+
+
+def test_job_resources_ask_slurm_for_gpus_per_node_and_nodes():
+    """The Snakefile's resources (:func:`registry.job_resources`) give snakemake-executor-plugin-slurm's
+    sbatch line: one node ``--gpus=G``; ``nodes`` N > 1 ``--nodes=N --ntasks=N --gres=gpu:G`` (G per
+    node, never the job total ``--gpus``) as an MPI-typed job (its command is not wrapped in
+    ``srun -n1``: paco.core.launch starts one launcher per node itself)."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    class Res(dict):
+        __getattr__ = dict.__getitem__
+
+    class Job:
+        def __init__(self, res):
+            self.resources, self.threads = Res(res), res["cpus_per_task"]
+
+    def sbatch(**res) -> str:
+        job = Job(registry.job_resources({"cpus_per_task": 8, "mem_mb": 1000, "runtime": 10, **res}))
+        params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "", "partition": "",
+                  "workdir": "/w"}
+        return get_submit_command(job, params) + set_gres_string(job)
+
+    one = sbatch(gpus=8, processes=7)
+    assert " --gpus=8" in one and "--nodes" not in one and "--gres" not in one and "--cpus-per-task=8" in one
+    two = sbatch(gpus=8, processes=7, nodes=2)
+    assert " --nodes=2 --ntasks=2" in two and " --gres=gpu:8" in two and "--gpus" not in two
+    assert registry.job_resources({"gpus": 8, "nodes": 2})["mpi"] == "srun"
+    cpu = sbatch()
+    assert "--gpus" not in cpu and "--gres" not in cpu and "--ntasks=1" in cpu
+    assert registry.job_resources({"gpus": 2})["gpus_per_node"] == 2 and "nodes" not in registry.job_resources({})

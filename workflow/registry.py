@@ -37,6 +37,11 @@ def _d(stage: str, name: str) -> str:
     return f"data/{stage}/{name}"
 
 
+#: the judge directory: data/reward_merge/model (trained here) or data/models/<role> (a released
+#: judge), a path key so both engines read it from the params file (docs/running.md)
+_JUDGE = "${judge_endpoint.model}"
+
+
 STAGES: tuple[Stage, ...] = (
     Stage(
         name="models",
@@ -44,6 +49,7 @@ STAGES: tuple[Stage, ...] = (
         params=("models",),
         out_dirs=("data/models/${role}",),  # one per model role (Stage.active_out_dirs)
         metrics=(_d("models", "metrics.json"),),
+        downloads=True,  # hub snapshots: the only stage with hub access, a Snakemake localrule
     ),
     Stage(
         name="prompts",
@@ -187,7 +193,7 @@ STAGES: tuple[Stage, ...] = (
         name="reward_eval",
         launcher="accelerate",  # scorer batches sharded over resources.stages.reward_eval.processes
         args=(
-            ("--judge", _d("reward_merge", "model")),
+            ("--judge", _JUDGE),
             ("--base", "data/models/judge_base"),
             ("--clip", "data/models/clip"),
             ("--instances", _d("pairs", "rank_instances.parquet")),
@@ -199,7 +205,7 @@ STAGES: tuple[Stage, ...] = (
             ("--metrics", _d("reward_eval", "metrics.json")),
         ),
         deps=(
-            _d("reward_merge", "model"),
+            _JUDGE,
             Dep("data/models/judge_base", "reward_eval.baselines", ("base_zero_shot",)),
             Dep("data/models/clip", "reward_eval.baselines", ("clip_i",)),
             _d("pairs", "rank_instances.parquet"),
@@ -208,7 +214,7 @@ STAGES: tuple[Stage, ...] = (
             Dep(_d("pairs", "edit_pairs.parquet"), "reward_eval.edit_benchmark", ("photos",)),
             Dep("${reward_eval.editreward}", "reward_eval.edit_benchmark", ("editreward",)),
         ),
-        params=("reward_eval",),
+        params=("reward_eval", "judge_endpoint.model"),
         outs=(_d("reward_eval", "predictions.parquet"),),
         metrics=(_d("reward_eval", "metrics.json"),),
     ),
@@ -227,15 +233,16 @@ STAGES += (
             ("--subtask", "${key}"),
             ("--items", _ITEMS),
             ("--policy", "data/models/${item.policy}"),
-            ("--judge", _d("reward_merge", "model")),
+            ("--judge", _JUDGE),
             ("--clip", "data/models/clip"),
+            ("--pickscore", "data/models/pickscore"),
             ("--lora", "data/grpo/${key}/lora"),
             ("--checkpoints", "data/grpo/${key}/checkpoints"),
             ("--plots", "data/grpo/${key}/plots"),
             ("--metrics", "data/grpo/${key}/metrics.json"),
         ),
-        deps=(_ITEMS, "data/models/${item.policy}", _d("reward_merge", "model"),
-              "data/models/clip"),
+        deps=(_ITEMS, "data/models/${item.policy}", _JUDGE,
+              "data/models/clip", "data/models/pickscore"),
         params=("grpo.${key}", "judge_endpoint", "subfigures"),
         out_dirs=("data/grpo/${key}/lora",),
         persist=("data/grpo/${key}/checkpoints",),
@@ -245,7 +252,8 @@ STAGES += (
         # eval.every stays in the identity: it decides which weights are kept for re-evaluation
         evaluation=tuple(f"grpo.${{key}}.eval.{k}" for k in ("resolution", "num_steps", "split", "max_prompts",
                                                               "batch_size")),
-        launch=("grpo.${key}.resources", "grpo.${key}.rollout.overlap_rewards"),
+        # judge_endpoint.server.gpus: how the job's GPUs are split (engine and the vLLM flags are not launch-only)
+        launch=("grpo.${key}.resources", "grpo.${key}.rollout.overlap_rewards", "judge_endpoint.server.gpus"),
         subprocesses=("paco/judge/serve/__main__.py",),
         stage_plots=(
             {"data/grpo/${key}/plots/train.csv": {"x": "epoch", "y": "reward"}},
@@ -260,20 +268,21 @@ STAGES += (
             ("--subtask", "${key}"),
             ("--items", _ITEMS),
             ("--policy", "data/models/${item.policy}"),
-            ("--lora", "data/grpo/${key}/lora"),
-            ("--judge", _d("reward_merge", "model")),
+            ("--lora", "${item.lora}"),  # data/grpo/<g>/lora or a released LoRA, data/models/<role>
+            ("--judge", _JUDGE),
             ("--clip", "data/models/clip"),
+            ("--pickscore", "data/models/pickscore"),
             ("--out", "data/final_samples/${key}/samples.parquet"),
             ("--sheets", "data/final_samples/${key}/sheets"),
             ("--metrics", "data/final_samples/${key}/metrics.json"),
         ),
-        deps=(_ITEMS, "data/models/${item.policy}", "data/grpo/${key}/lora",
-              _d("reward_merge", "model"), "data/models/clip"),
+        deps=(_ITEMS, "data/models/${item.policy}", "${item.lora}",
+              _JUDGE, "data/models/clip", "data/models/pickscore"),
         params=("final_samples.${key}", "judge_endpoint", "subfigures"),
         outs=("data/final_samples/${key}/samples.parquet",),
         out_dirs=("data/final_samples/${key}/sheets",),
         metrics=("data/final_samples/${key}/metrics.json",),
-        launch=("final_samples.${key}.resources",),
+        launch=("final_samples.${key}.resources", "judge_endpoint.server.gpus"),
         subprocesses=("paco/judge/serve/__main__.py",),
     ),
 )
@@ -323,6 +332,37 @@ def member(name: str, config: Mapping[str, Any] | None = None) -> Member:
     if not found:
         raise KeyError(f"{name!r} is not a member of stage {stage.name!r}")
     return found[0]
+
+
+def local_rules(config: Mapping[str, Any]) -> list[str]:
+    """The Snakemake rule names of the members of every stage that downloads (:attr:`Stage.downloads`:
+    ``models``), in registry order: the Snakefile's ``localrules``, so that under a SLURM profile
+    they run on the submitting host (a login node with internet) and every other rule is submitted
+    to compute nodes, which need none (docs/running.md, SLURM)."""
+    return [m.rule_name for s in STAGES if s.downloads for m in s.members(config)]
+
+
+def job_resources(res: Mapping[str, Any]) -> dict[str, Any]:
+    """The Snakemake ``resources:`` of a member whose resources are ``res`` (:meth:`Member.resources`):
+    ``mem_mb``, ``runtime``, ``cpus_per_task``; on GPUs also ``cpus_per_gpu``, ``tasks_per_gpu: 0``
+    (no ``--ntasks-per-gpu``) and ``gpus_per_node`` (the sbatch profile's ``submit.sh GPUS NODES``),
+    and then
+
+    - one node: ``gpu`` (``--gpus=G``, snakemake-executor-plugin-slurm);
+    - ``nodes`` N > 1: ``nodes: N``, ``gres: gpu:G`` (``--gres`` is per node; ``--gpus`` would be
+      the job's total), ``mpi: srun`` and ``tasks: N`` (the plugin's jobstep then runs the command
+      without its own ``srun -n1`` wrapper, and ``paco.core.launch`` starts one launcher per node
+      with ``srun``; the plugin refuses ``tasks_per_node: 1`` for such a job).
+    """
+    gpus, nodes, cpus = int(res.get("gpus", 0)), int(res.get("nodes", 1)), res.get("cpus_per_task", 1)
+    out: dict[str, Any] = {"mem_mb": res.get("mem_mb", 4000), "runtime": res.get("runtime", 30), "cpus_per_task": cpus}
+    if gpus:
+        out.update(cpus_per_gpu=cpus, tasks_per_gpu=0, gpus_per_node=gpus)
+        if nodes > 1:
+            out.update(nodes=nodes, gres=f"gpu:{gpus}", mpi="srun", tasks=nodes)
+        else:
+            out["gpu"] = gpus
+    return out
 
 
 def load_config(path: str | Path | None = None) -> dict[str, Any]:

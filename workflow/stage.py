@@ -18,9 +18,9 @@ from workflow.code_deps import code_closure
 
 PARAMS_FILE = "params.yaml"
 #: the model roles every run needs; ``models:`` may name more (:func:`model_roles`)
-MODEL_ROLES = ("judge_base", "policy_t2is", "clip")
+MODEL_ROLES = ("judge_base", "policy_t2is", "clip", "pickscore")
 #: keys of the ``models`` section that are settings, not roles
-_MODELS_SETTINGS = ("seed", "revision", "allow_patterns")
+_MODELS_SETTINGS = ("seed", "revision", "allow_patterns", "processor_from")
 
 
 def model_roles(config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -120,7 +120,13 @@ class Stage:
             identity's training parts; a change re-runs the evaluation on the kept weights.
         launch: dotted params keys that only say how the stage is launched (``resources``).
         subprocesses: project modules the stage starts as processes of their own (the local
-            judge server ``paco/judge/serve/__main__.py``): their import closure is the stage's code too.
+            judge server ``paco/judge/serve/__main__.py``): their import closure is the stage's code too;
+            its launch command has ``--serves_judge`` (:func:`paco.core.launch.judge_gpu_split`).
+        downloads: the stage fetches from the internet (the Hugging Face hub: ``models``). Only such
+            a stage runs with hub access (every other stage process sets ``HF_HUB_OFFLINE=1``,
+            ``stages/__init__.py``), and the Snakefile makes it a ``localrules`` entry
+            (:func:`workflow.registry.local_rules`): under a SLURM profile it runs on the submitting
+            (login) host, which has internet where compute nodes may not.
 
     ``code`` is derived, not declared: :func:`code_closure` of the stage module (``stages/<module>.py``
     and every project module it imports, transitively), so editing any module a stage runs reruns
@@ -145,6 +151,7 @@ class Stage:
     launch: tuple[str, ...] = ()
     subprocesses: tuple[str, ...] = ()
     whole_params_file: bool = False
+    downloads: bool = False
 
     @property
     def code(self) -> tuple[str, ...]:
@@ -165,6 +172,8 @@ class Stage:
                 f"python -m paco.core.launch --config_file workflow/accelerate/${{{res}.accelerate_config}}.yaml "
                 f"--num_processes ${{{res}.processes}} -m"
             )
+            if self.subprocesses:  # it may serve its judge on GPUs of its own: the launcher splits them
+                launch = launch[:-len("-m")] + "--serves_judge -m"
         else:
             launch = "python -m"
         parts = [f"{launch} stages.{module} --params {PARAMS_FILE}"]
