@@ -1,0 +1,11 @@
+"""The generators' benchmarks, the paper's own yardstick (issue 27): T2IS-Bench (paper Table 3:
+visual consistency, prompt alignment, aesthetics) and GEdit-Bench (paper Table 4: semantic
+consistency, perceptual quality, overall), exact to the benchmarks' official evaluation code,
+scored through any OpenAI-compatible evaluator.
+
+* :mod:`paco.benchmark.t2is_bench`: the T2IS-Bench protocol (questions, panel pairs, aggregation).
+* :mod:`paco.benchmark.gedit_bench`: the GEdit-Bench / VIEScore protocol (prompts, reply parser,
+  SC / PQ / Overall and their aggregation).
+* :mod:`paco.benchmark.evaluator`: the evaluator client (yes/no probabilities, text replies,
+  expected scores from log-probs) with an answer cache keyed by evaluator, question and images.
+"""
