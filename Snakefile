@@ -42,6 +42,7 @@ rule all:
 for _m in MEMBERS:
     _s = _m.stage
     _res = _m.resources(config)
+    _job = job_resources(_res)
 
     rule:
         name:
@@ -60,10 +61,11 @@ for _m in MEMBERS:
         # the stage's output, also on the terminal (locally) and in the SLURM job log
         log:
             f"logs/{_m.rule_name}.log",
-        threads: _res.get("cpus_per_task", 1)
-        # GPUs per node, and several nodes (resources.nodes: one launcher per node, started by
-        # paco.core.launch with srun): workflow/registry.py job_resources
+        # the task's CPUs (cpus_per_task per GPU on GPU stages), GPUs per node, and several nodes
+        # (resources.nodes: one launcher per node, started by paco.core.launch with srun):
+        # workflow/registry.py job_resources
+        threads: _job["cpus_per_task"]
         resources:
-            **job_resources(_res),
+            **_job,
         shell:
             "{params.cmd} 2>&1 | tee {log}"

@@ -1,4 +1,4 @@
-"""Memory plan of the paper preset: what each GPU of a paper-scale run holds, against 80 GB; and
+"""Memory plan of the paper preset: what each GPU of a paper-scale run holds, against an 80 GB GPU; and
 the time budget (:class:`Budget`) that keeps ``benchmarks/gpu_smoke.py`` inside a short GPU slot.
 
     python benchmarks/memory_plan.py [--preset workflow/presets/paper.yaml] [--json plan.json]
@@ -30,7 +30,8 @@ activations         training: the transformer blocks' saved activations for one 
                     (:data:`LOGIT_BYTES` per token and vocabulary entry). Sampling / evaluation (no
                     gradient): one block's activations at the sampling batch and resolution plus the
                     VAE decode (:data:`VAE_DECODE_BYTES_PER_PIXEL`); the larger of the two counts
-total               weights + LoRA + activations, without and with checkpointing; ``fits``: <= 80 GiB
+total               weights + LoRA + activations, without and with checkpointing; ``fits``: <=
+                    :data:`DEVICE_GIB` (78.6 GiB: an "80 GB" GPU's usable memory)
 ==================  ==============================================================================
 
 ``bytes_per_token`` per block type comes from :class:`BlockProbe` when the GPU smoke
@@ -49,8 +50,8 @@ forward passes with gradients (``paco.grpo.policies.qwen_image``); the judge two
 patches; the largest composites and the editing pairs' images) plus :data:`JUDGE_TEXT_TOKENS` and
 ``reasons.teacher.openai.max_tokens`` of text.
 
-Figures only, not a guarantee: allocator fragmentation, the CUDA context (about 0.5 GiB) and
-NCCL buffers are not counted.
+Figures only, not a guarantee: allocator fragmentation and NCCL buffers are not counted (the CUDA
+context is, as the memory :data:`DEVICE_GIB` leaves out).
 """
 
 from __future__ import annotations
@@ -70,8 +71,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 GIB = 2**30
-#: the GPU the plan is checked against, GiB (an H100 / A100 80 GB)
-DEVICE_GIB = 80.0
+#: the memory an "80 GB" H100 / A100 reports, GiB: ``torch.cuda.mem_get_info`` total (PyTorch's
+#: out-of-memory message, "GPU 0 has a total capacity of ... GiB"), 79.11-79.25 GiB on such cards
+#: depending on the driver's reservation; the lower end, so a plan that fits here fits there
+DEVICE_TOTAL_GIB = 79.1
+#: what the CUDA context of each process takes of it (kernels and cuBLAS / cuDNN handles, not in
+#: ``torch.cuda.max_memory_allocated``), GiB: about 0.5 on an H100 with torch 2.x
+CUDA_CONTEXT_GIB = 0.5
+#: the memory the plan is checked against, GiB: what one process can allocate on an "80 GB" GPU
+DEVICE_GIB = DEVICE_TOTAL_GIB - CUDA_CONTEXT_GIB
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: LoRA bytes per parameter: GRPO (trained, old, EMA, gradient, 2 AdamW moments, float32), judge SFT
 #: (weight, gradient, 2 moments, float32), sampling (the loaded adapter, float32)
@@ -430,9 +438,10 @@ def judge_row(preset: dict[str, Any]) -> dict[str, Any]:
     server = preset["judge_endpoint"].get("server", {})
     util = float(server.get("gpu_memory_utilization", VLLM_UTILIZATION))
     weights = _weights(preset, "judge_base", [], "bfloat16")
-    rest = util * DEVICE_GIB - sum(v["gib"] for v in weights.values())
+    # vLLM's share is of the device's total memory (its worker: torch.cuda.mem_get_info()[1])
+    rest = util * DEVICE_TOTAL_GIB - sum(v["gib"] for v in weights.values())
     return _row("judge", weights, None, None, rest * GIB, rest * GIB,
-                [f"vLLM gpu_memory_utilization {util:g} x {DEVICE_GIB:g} GiB, KV cache and activations"])
+                [f"vLLM gpu_memory_utilization {util:g} x {DEVICE_TOTAL_GIB:g} GiB, KV cache and activations"])
 
 
 def plan(preset: dict[str, Any], measured: dict[str, dict[str, float]] | None = None) -> list[dict[str, Any]]:

@@ -140,7 +140,8 @@ def _check_memory_plan(res: dict, stdout: str) -> None:
     for r in rows.values():
         assert _numbers(r) and all(math.isfinite(x) and x > 0 for x in _numbers(r)), r
         assert r["total_gib"] == pytest.approx(r["weights_gib"] + (r["lora_opt_gib"] or 0) + r["activations_gib"])
-        assert r["activations_ckpt_gib"] <= r["activations_gib"] and r["fits"] == (r["total_gib"] <= 80)
+        assert r["activations_ckpt_gib"] <= r["activations_gib"]
+        assert r["fits"] == (r["total_gib"] <= 79.1 - 0.5) and r["fits_ckpt"] == (r["total_ckpt_gib"] <= 79.1 - 0.5)
     assert res["memory_plan_measured"] == {}  # CPU: nothing measured, every activation analytic and labelled so
     assert all("analytic" in r["activation_source"] for s, r in rows.items() if s != "judge")
     real_flux = dict(num_attention_heads=24, attention_head_dim=128, num_layers=19, num_single_layers=38)
@@ -186,6 +187,26 @@ def test_memory_plan_counts_loras_as_peft_does():
         assert ours == peft > 0, key
     with pytest.raises(ValueError, match="match no linear layer"):
         mp.lora_params(tiny["t2is"], ["attn.to_q", "no_such_proj"], 4)
+
+
+def test_the_memory_plan_checks_an_80_gb_gpus_usable_memory():
+    """A row fits when it is at most what one process can allocate on an "80 GB" GPU: 79.1 GiB
+    total (torch's reported capacity) minus 0.5 GiB of CUDA context, not 80 GiB; so the paper
+    preset's grpo@kontext_editing without checkpointing (about 79.6 GiB, analytic) does not fit.
+    vLLM's share is of the total memory."""
+    from paco.core.params.base import read_params_yaml
+
+    mp = _load("memory_plan")
+    assert mp.DEVICE_GIB == pytest.approx(78.6)
+    for gib, fits in ((78.5, True), (78.7, False), (79.6, False), (80.0, False)):
+        row = mp._row("x", {"w": {"gib": gib}}, None, None, 0.0, 0.0, [])
+        assert (row["fits"], row["fits_ckpt"]) == (fits, fits), gib
+    preset = read_params_yaml(ROOT / "workflow" / "presets" / "paper.yaml")
+    kontext = mp.grpo_row(preset, "kontext_editing")
+    assert 78.6 < kontext["total_gib"] <= 80 and not kontext["fits"] and kontext["fits_ckpt"]
+    judge = mp.judge_row(preset)
+    util = preset["judge_endpoint"]["server"]["gpu_memory_utilization"]
+    assert judge["total_gib"] == pytest.approx(util * 79.1)
 
 
 def test_the_budget_skips_stages_that_do_not_fit():
@@ -276,7 +297,9 @@ def _stage(smoke, name: str) -> dict:
 @pytest.mark.gpu
 def test_the_smoke_fits_its_budget_and_measures_the_blocks(smoke):
     assert smoke["budget"]["elapsed_s"] <= GPU_BUDGET_S and smoke["budget"]["limit_s"] == GPU_BUDGET_S
-    assert all(_stage(smoke, n) for n in ("sft", "grpo"))
+    # the budget must leave room for these two: a skip here is this test's failure, not a skip
+    for name in ("sft", "grpo"):
+        assert "skipped" not in smoke["stages"][name], (name, smoke["stages"][name].get("skipped"))
     measured = smoke["memory_plan_measured"]
     assert {"FluxTransformerBlock", "FluxSingleTransformerBlock", "Qwen2_5_VLDecoderLayer"} <= set(measured)
     assert all(v["bytes_per_token"] > 0 and v["calls"] > 0 for v in measured.values())

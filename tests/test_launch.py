@@ -277,11 +277,13 @@ def test_slurm_fan_out(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "execve", fake_exec)
     monkeypatch.setattr(os, "execv", fake_exec)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    for var in ("PACO_NODE_TASK", "SLURM_NODEID", "PACO_MAIN_PROCESS_IP", "PACO_MAIN_PROCESS_PORT", "PACO_SRUN_ARGS"):
+    for var in ("PACO_NODE_TASK", "SLURM_NODEID", "PACO_MAIN_PROCESS_IP", "PACO_MAIN_PROCESS_PORT", "PACO_SRUN_ARGS",
+                "PACO_NUM_MACHINES"):
         monkeypatch.setenv(var, "x")
         monkeypatch.delenv(var)
     monkeypatch.setenv("SLURM_NNODES", "2")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[01-02]")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")  # srun does not inherit it (Slurm >= 22.05): passed on
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the batch host's: not the other node's
     monkeypatch.setenv("PACO_SRUN_ARGS", "--overlap")
     _write_probe(tmp_path)
@@ -290,8 +292,9 @@ def test_slurm_fan_out(tmp_path, monkeypatch):
     with pytest.raises(_Exec):
         main(launcher_args)
     assert captured["path"] == str(tmp_path / "srun")
-    assert captured["argv"] == [str(tmp_path / "srun"), "--nodes", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
-                                "--overlap", sys.executable, "-m", "paco.core.launch", *launcher_args]
+    assert captured["argv"] == [str(tmp_path / "srun"), "--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task=6",
+                                "--kill-on-bad-exit=1", "--overlap", sys.executable, "-m", "paco.core.launch",
+                                *launcher_args]
     env = captured["env"]
     assert (env["PACO_NODE_TASK"], env["PACO_MAIN_PROCESS_IP"]) == ("1", "n01") and int(env["PACO_MAIN_PROCESS_PORT"]) > 0
     assert "CUDA_VISIBLE_DEVICES" not in env
@@ -315,6 +318,170 @@ def test_slurm_fan_out(tmp_path, monkeypatch):
     with pytest.raises(_Exec):
         main(["--num_machines", "1", *launcher_args])
     assert "--num_machines" not in captured["argv"] and captured["path"] == sys.executable
+
+
+def _fake_tools(tmp_path: Path, **bodies: str) -> None:
+    """Shell scripts ``tmp_path/<name>`` (``nvidia-smi`` as ``nvidia_smi``) with the given bodies."""
+    for name, body in bodies.items():
+        tool = tmp_path / name.replace("_", "-")
+        tool.write_text(f"#!/bin/sh\n{body}\n")
+        tool.chmod(0o755)
+
+
+def _clean_launch_env(monkeypatch) -> None:
+    """No allocation, SLURM or fan-out variable of this machine reaches the launcher under test,
+    and what the launcher sets in ``os.environ`` (its exec faked) is undone after the test."""
+    for var in [v for v in os.environ if v.startswith("SLURM_")] + [
+            "CUDA_VISIBLE_DEVICES", "PACO_JUDGE_DEVICES", "PACO_NODE_TASK", "PACO_NUM_MACHINES", "PACO_SRUN_ARGS",
+            "PACO_MAIN_PROCESS_IP", "PACO_MAIN_PROCESS_PORT", "OMP_NUM_THREADS"]:
+        monkeypatch.setenv(var, "x")  # recorded: restored (or removed) after the test
+        monkeypatch.delenv(var)
+
+
+def test_a_member_takes_its_own_gpus_of_a_plain_8_gpu_machine(tmp_path, monkeypatch, capsys):
+    """A machine without an allocation (no CUDA_VISIBLE_DEVICES, ``nvidia-smi`` lists 8 GPUs): the
+    paper preset's ``final_samples`` member (``gpus: 2, processes: 1``, the judge on 1) takes the
+    first 2 (a message says so): GPU 0 for the judge, GPU 1 for its process. Without
+    ``--resources`` all 8 would be split (7 left for 1 process: exit 2); an allocation of fewer
+    GPUs than the member's is exit code 2 naming its key."""
+    captured = {}
+
+    def fake_execv(path, argv):
+        captured.update(argv=list(argv), env=dict(os.environ))
+        raise _Exec
+
+    monkeypatch.setattr(os, "execv", fake_execv)
+    _clean_launch_env(monkeypatch)
+    _fake_tools(tmp_path, nvidia_smi="printf '0\\n1\\n2\\n3\\n4\\n5\\n6\\n7\\n'")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    params = _judge_params(tmp_path, 7)
+    key = f"final_samples.{next(iter(yaml.safe_load(params.read_text())['final_samples']))}.resources"
+    config = tmp_path / "bf16.yaml"  # a config that needs accelerate launch: the split reaches the exec
+    config.write_text(yaml.safe_dump({**_config("ddp"), "mixed_precision": "bf16"}))
+    command = ["--config_file", str(config), "--num_processes", "1", "--resources", key, "--serves_judge",
+               "-m", "stages.final_samples", "--params", str(params)]
+    with pytest.raises(_Exec):
+        main(command)
+    assert (captured["env"]["PACO_JUDGE_DEVICES"], captured["env"]["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert f"{key}.gpus 2: taking the first 2 of the 8 visible GPUs" in capsys.readouterr().err
+    assert "--resources" not in captured["argv"]  # the launcher's own flag
+
+    captured.clear()
+    for var in ("CUDA_VISIBLE_DEVICES", "PACO_JUDGE_DEVICES"):  # set by the launcher before its exec
+        monkeypatch.delenv(var)
+    assert main([a for a in command if a not in ("--resources", key)]) == 2  # every GPU nvidia-smi lists
+    assert "7 GPUs are left" in capsys.readouterr().err and not captured
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert main(command) == 2
+    assert f"{key}.gpus 2 but this node has 1 GPUs for the job (3)" in capsys.readouterr().err and not captured
+
+
+def _nodes_params(tmp_path: Path, nodes: int, config: str = "ddp") -> Path:
+    """The embedded params with reward_eval on ``nodes`` nodes of 8 GPUs (``config``)."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["resources"]["stages"]["reward_eval"].update(nodes=nodes, gpus=8, processes=8, accelerate_config=config)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+#: ``scontrol show job 77``: a running 2-node job (Slurm 23's layout, abridged)
+SCONTROL_JOB = """JobId=77 JobName=paco-reward_eval
+   UserId=u(1) GroupId=g(1) MCS_label=N/A
+   JobState=RUNNING Reason=None Dependency=(null)
+   NodeList=n[01-02]
+   BatchHost=n01
+   NumNodes=2 NumCPUs=32 NumTasks=2 CPUs/Task=16 ReqB:S:C:T=0:0:*:*
+   ReqNodeList=(null) ExcNodeList=(null)"""
+
+
+def test_several_nodes_under_the_slurm_plugins_stripped_environment(tmp_path, monkeypatch, capsys):
+    """snakemake-executor-plugin-slurm's jobstep runs an MPI-typed job's command with every
+    ``SLURM_*`` variable dropped but the job id: the launcher takes the node count from the
+    member's resources (``--resources``), the hosts and CPUs per task from ``scontrol show job``,
+    and fans out over both nodes; an allocation of another node count, or none, is exit code 2
+    naming the key."""
+    _fake_tools(tmp_path, scontrol='case "$1 $2 $3" in\n'
+                f'  "show job 77") cat <<EOF\n{SCONTROL_JOB}\nEOF\n;;\n'
+                '  "show job 78") printf "JobId=78\\n   NodeList=n01\\n   NumNodes=1 CPUs/Task=4\\n";;\n'
+                '  "show hostnames n[01-02]") printf "n01\\nn02\\n";;\n'
+                '  "show hostnames n01") printf "n01\\n";;\n'
+                '  *) exit 1;;\nesac', srun="exit 99")
+    captured = {}
+
+    def fake_exec(path, argv, env=None):
+        captured.update(path=path, argv=list(argv), env=dict(env if env is not None else os.environ))
+        raise _Exec
+
+    monkeypatch.setattr(os, "execve", fake_exec)
+    monkeypatch.setattr(os, "execv", fake_exec)
+    _clean_launch_env(monkeypatch)
+    # the allocation's variables as sbatch sets them, then what the jobstep keeps of them
+    allocation = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[01-02]",
+                  "SLURM_CPUS_PER_TASK": "16", "SLURM_NODEID": "0", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"}
+    keep = {"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CLUSTER_NAME", "SLURM_SUBMIT_DIR", "SLURM_SUBMIT_HOST"}
+    for var, value in allocation.items():
+        if var in keep:
+            monkeypatch.setenv(var, value)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    _write_probe(tmp_path)
+    params = _nodes_params(tmp_path, 2)
+    key = "resources.stages.reward_eval"
+    args = ["--config_file", str(CONFIGS / "ddp.yaml"), "--num_processes", "8", "--resources", key,
+            "-m", "paco_launch_probe", "--params", str(params)]
+    with pytest.raises(_Exec):
+        main(args)
+    assert captured["argv"] == [str(tmp_path / "srun"), "--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task=16",
+                                "--kill-on-bad-exit=1", sys.executable, "-m", "paco.core.launch", *args]
+    env = captured["env"]
+    assert (env["PACO_NODE_TASK"], env["PACO_NUM_MACHINES"], env["PACO_MAIN_PROCESS_IP"]) == ("1", "2", "n01")
+
+    # without --resources the stripped environment says one node: the old silent single-node run
+    with pytest.raises(_Exec):
+        main([a for a in args if a not in ("--resources", key)])
+    assert captured["path"] == sys.executable and "--num_machines" not in captured["argv"]
+
+    # a 1-node allocation for a 2-node member, and no SLURM job at all: exit code 2 naming the key
+    captured.clear()
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{key}.nodes 2 but the SLURM allocation has 1 node(s) (n01)" in err and not captured
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert main(args) == 2
+    assert "not in a SLURM job" in capsys.readouterr().err and not captured
+
+    # the per-node launcher (srun sets the step's variables): a machine of the member's two
+    for var, value in {"PACO_NODE_TASK": "1", "PACO_NUM_MACHINES": "2", "SLURM_NODEID": "1",
+                       "PACO_MAIN_PROCESS_IP": "n01", "PACO_MAIN_PROCESS_PORT": "29511"}.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(_Exec):
+        main(args)
+    argv = captured["argv"]
+    assert argv[argv.index("--num_machines") + 1] == "2" and argv[argv.index("--num_processes") + 1] == "16"
+    monkeypatch.setenv("PACO_NUM_MACHINES", "3")
+    captured.clear()
+    assert main(args) == 2
+    assert f"{key}.nodes 2 but this per-node launcher is one of 3 machines" in capsys.readouterr().err
+
+
+def test_deepspeed_on_several_machines_uses_the_standard_launcher():
+    """``accelerate launch``'s argv: the total process count, the machine flags on several machines,
+    and for DeepSpeed there ``--deepspeed_multinode_launcher standard`` (each node's launcher starts
+    its own processes; accelerate's default, pdsh, would ssh to the others)."""
+    from paco.core.launch import accelerate_command
+
+    zero2, ddp = _config("zero2"), _config("ddp")
+    head = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "z.yaml", "--num_processes"]
+    machines = ["--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "n01", "--main_process_port", "29500"]
+    assert accelerate_command("z.yaml", zero2, 7, 2, 1, "n01", 29500) == [
+        *head, "14", *machines, "--deepspeed_multinode_launcher", "standard"]
+    assert accelerate_command("z.yaml", ddp, 7, 2, 1, "n01", 29500) == [*head, "14", *machines]
+    assert accelerate_command("z.yaml", zero2, 8) == [*head, "8"]  # one machine: accelerate's own launcher
+    # accelerate knows the value (DEEPSPEED_MULTINODE_LAUNCHERS[1] is the one that starts no remote process)
+    from accelerate.utils.constants import DEEPSPEED_MULTINODE_LAUNCHERS
+
+    assert DEEPSPEED_MULTINODE_LAUNCHERS[1] == "standard"
 
 
 NODE_PROBE = '''

@@ -81,6 +81,22 @@ def test_server_env_gives_the_judge_its_gpus_and_no_key():
     assert server_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+def test_server_env_drops_the_stages_launch_variables():
+    """The judge server, started by the stage's rank-0 process under torchrun / accelerate, gets
+    none of their rank, world and rendezvous variables (vLLM's workers would read them and join the
+    stage's process group); other variables, ``PACO_*`` and ``NCCL_*`` included, are kept."""
+    launch = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "7", "LOCAL_WORLD_SIZE": "7", "GROUP_RANK": "0",
+              "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "7", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "n01",
+              "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0",
+              "TORCHELASTIC_USE_AGENT_STORE": "True", "ACCELERATE_MIXED_PRECISION": "bf16",
+              "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DYNAMO_BACKEND": "NO"}
+    kept = {"PATH": "/bin", "PACO_JUDGE_DEVICES": "0", "NCCL_DEBUG": "WARN", "HF_HUB_OFFLINE": "1",
+            "MY_RANK": "3", "RANKING": "x"}
+    env = server_env({**launch, **kept}, "0")
+    assert not set(launch) & set(env)
+    assert {k: env[k] for k in kept} == kept
+
+
 def test_server_params_are_checked_by_name():
     from paco.core.params import ParamsError
 

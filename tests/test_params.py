@@ -437,17 +437,22 @@ def test_released_presets_are_the_paper_preset_with_their_changes(name):
 
 
 def test_several_nodes_are_for_gpu_stages():
+    """``nodes`` > 1 needs GPUs and a GPU accelerate config: ``cpu`` (``use_cpu: true``) would run
+    every node's processes on CPU."""
     raw = committed()
-    raw["grpo"]["t2is"]["resources"].update(nodes=2, gpus=8, processes=8)
-    raw["resources"]["stages"]["reward_train"] = {**raw["resources"]["stages"]["reward_train"], "nodes": 2, "gpus": 4}
+    raw["grpo"]["t2is"]["resources"].update(nodes=2, gpus=8, processes=8, accelerate_config="ddp")
+    raw["resources"]["stages"]["reward_train"] = {**raw["resources"]["stages"]["reward_train"], "nodes": 2, "gpus": 4,
+                                                  "accelerate_config": "zero2"}
     params = validate_params(raw)
     assert (params.grpo["t2is"].resources.nodes, params.resources.for_stage("reward_train").nodes) == (2, 2)
     assert params.resources.default.nodes == 1
     for path in (("grpo", "t2is", "resources"), ("resources", "stages", "reward_train")):
-        raw = committed()
-        node = raw
-        for key in path:
-            node = node[key]
-        node.update(nodes=2, gpus=0)
-        with pytest.raises(ParamsError, match=r"\.".join(path) + ": Value error, nodes 2 with gpus 0"):
-            validate_params(raw)
+        for change, message in (({"gpus": 0, "accelerate_config": "ddp"}, "nodes 2 with gpus 0"),
+                                ({"gpus": 8, "accelerate_config": "cpu"}, "nodes 2 with accelerate_config cpu")):
+            raw = committed()
+            node = raw
+            for key in path:
+                node = node[key]
+            node.update(nodes=2, **change)
+            with pytest.raises(ParamsError, match=r"\.".join(path) + ": Value error, " + message):
+                validate_params(raw)

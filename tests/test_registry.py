@@ -377,6 +377,57 @@ def test_dag_with_a_released_judge_has_no_judge_training(tmp_path):
     assert not any(n.startswith("grpo") for e in loras for n in e)
 
 
+#: one process (Snakemake's import alone takes seconds): the Snakefile's localrules and each rule's
+#: threads (the sbatch profile's ``--cpus-per-task={threads}``), then the CLI's
+#: ``snakemake -n --profile workflow/profiles/slurm``
+_SLURM_DRY_RUN = _LOCALRULES + """    print(json.dumps({r.name: getattr(r.resources["_cores"], "value", r.resources["_cores"])
+                      for r in workflow.rules}))
+from snakemake.cli import main
+main(["-n", "--profile", "workflow/profiles/slurm"])
+"""
+
+
+def _dry_run_jobs(text: str) -> dict[str, tuple[dict[str, str], str]]:
+    """``{rule: (resources, shell command)}`` of a ``snakemake -n`` printout (``printshellcmds``)."""
+    jobs = {}
+    for block in re.split(r"\n(?=\[[^\]]+\]\n(?:local)?rule )", text):
+        name = re.search(r"^(?:local)?rule (\w+):", block, re.M)
+        res = re.search(r"^ +resources: (.*)$", block, re.M)
+        cmd = re.search(r"^Shell command: (.*)$", block, re.M)
+        if name and name[1] != "all":
+            assert res and cmd, block
+            jobs[name[1]] = (dict(kv.split("=", 1) for kv in res[1].split(", ")), cmd[1])
+    return jobs
+
+
+def test_the_paper_preset_dry_runs_under_the_slurm_profile(tmp_path):
+    """``snakemake -n --profile workflow/profiles/slurm`` on a repo whose params.yaml is the paper
+    preset (its dvc.yaml rendered, an empty file at every raw input): every grpo job asks 8 GPUs and
+    64 CPUs (8 per GPU) and runs 7 processes with its judge served on the eighth; every final_samples
+    job asks 2 GPUs (judge and sampler) and 16 CPUs; ``models`` is a local rule (the login node
+    downloads) and every other rule is submitted."""
+    repo = _preset_repo(tmp_path / "repo", "paper.yaml")
+    preset = yaml.safe_load((repo / "params.yaml").read_text())
+    proc = subprocess.run([sys.executable, "-c", _SLURM_DRY_RUN], cwd=repo, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.splitlines()[0]) == ["models"]  # the localrules: models runs on the login node
+    threads = json.loads(proc.stdout.splitlines()[1])
+    jobs = _dry_run_jobs(proc.stdout + proc.stderr)
+    names = {m.rule_name for s in registry.STAGES for m in s.members(preset)}
+    assert set(jobs) == names
+    assert set(preset["grpo"]) and set(preset["final_samples"])
+    for key in preset["grpo"]:
+        res, cmd = jobs[f"grpo_{key}"]
+        assert (res["gpu"], res["gpus_per_node"], res["cpus_per_task"], threads[f"grpo_{key}"]) == ("8", "8", "64", 64)
+        assert f"--num_processes 7 --resources grpo.{key}.resources --serves_judge -m stages.grpo " in cmd
+    for key in preset["final_samples"]:
+        res, cmd = jobs[f"final_samples_{key}"]
+        assert (res["gpu"], res["cpus_per_task"], threads[f"final_samples_{key}"]) == ("2", "16", 16), key
+        assert f"--num_processes 1 --resources final_samples.{key}.resources --serves_judge -m stages.final_samples " in cmd
+    assert "gpu" not in jobs["models"][0]
+
+
 def test_job_resources_ask_slurm_for_gpus_per_node_and_nodes():
     """The Snakefile's resources (:func:`registry.job_resources`) give snakemake-executor-plugin-slurm's
     sbatch line: one node ``--gpus=G``; ``nodes`` N > 1 ``--nodes=N --ntasks=N --gres=gpu:G`` (G per
@@ -398,11 +449,21 @@ def test_job_resources_ask_slurm_for_gpus_per_node_and_nodes():
                   "workdir": "/w"}
         return get_submit_command(job, params) + set_gres_string(job)
 
+    # cpus_per_task is per GPU on GPUs: the one task per node runs every GPU's process
     one = sbatch(gpus=8, processes=7)
-    assert " --gpus=8" in one and "--nodes" not in one and "--gres" not in one and "--cpus-per-task=8" in one
+    assert " --gpus=8" in one and "--nodes" not in one and "--gres" not in one and " --cpus-per-task=64" in one
+    assert "--cpus-per-gpu" not in one
     two = sbatch(gpus=8, processes=7, nodes=2)
     assert " --nodes=2 --ntasks=2" in two and " --gres=gpu:8" in two and "--gpus" not in two
+    assert " --cpus-per-task=64" in two  # per task, one task per node
     assert registry.job_resources({"gpus": 8, "nodes": 2})["mpi"] == "srun"
     cpu = sbatch()
-    assert "--gpus" not in cpu and "--gres" not in cpu and "--ntasks=1" in cpu
+    assert "--gpus" not in cpu and "--gres" not in cpu and "--ntasks=1" in cpu and " --cpus-per-task=8" in cpu
+    # the jobstep's srun (one node) asks the same; the sbatch profile passes the Snakefile's threads
+    from snakemake_executor_plugin_slurm_jobstep import get_cpu_setting
+
+    assert get_cpu_setting(Job(registry.job_resources({"gpus": 2, "cpus_per_task": 8})), True) == "--cpus-per-task=16"
+    # (the Snakefile's threads are this cpus_per_task: test_the_paper_preset_dry_runs_under_the_slurm_profile)
+    profile = yaml.safe_load((ROOT / "workflow" / "profiles" / "sbatch" / "config.yaml").read_text())
+    assert "--cpus-per-task={threads}" in profile["cluster-generic-submit-cmd"]
     assert registry.job_resources({"gpus": 2})["gpus_per_node"] == 2 and "nodes" not in registry.job_resources({})

@@ -344,20 +344,26 @@ def local_rules(config: Mapping[str, Any]) -> list[str]:
 
 def job_resources(res: Mapping[str, Any]) -> dict[str, Any]:
     """The Snakemake ``resources:`` of a member whose resources are ``res`` (:meth:`Member.resources`):
-    ``mem_mb``, ``runtime``, ``cpus_per_task``; on GPUs also ``cpus_per_gpu``, ``tasks_per_gpu: 0``
-    (no ``--ntasks-per-gpu``) and ``gpus_per_node`` (the sbatch profile's ``submit.sh GPUS NODES``),
-    and then
+    ``mem_mb``, ``runtime``, ``cpus_per_task`` (the task's CPUs: ``res.cpus_per_task`` on CPU, times
+    ``gpus`` on GPUs, where ``cpus_per_task`` is per GPU: the one task per node runs every GPU's
+    process); on GPUs also ``tasks_per_gpu: 0`` (no ``--ntasks-per-gpu``) and ``gpus_per_node`` (the
+    sbatch profile's ``submit.sh GPUS NODES``), and then
 
     - one node: ``gpu`` (``--gpus=G``, snakemake-executor-plugin-slurm);
     - ``nodes`` N > 1: ``nodes: N``, ``gres: gpu:G`` (``--gres`` is per node; ``--gpus`` would be
       the job's total), ``mpi: srun`` and ``tasks: N`` (the plugin's jobstep then runs the command
       without its own ``srun -n1`` wrapper, and ``paco.core.launch`` starts one launcher per node
       with ``srun``; the plugin refuses ``tasks_per_node: 1`` for such a job).
+
+    No ``cpus_per_gpu``: the plugin's sbatch line and its jobstep's srun take ``cpus_per_task`` over
+    it (``snakemake_executor_plugin_slurm_jobstep.get_cpu_setting``), and the sbatch profile passes
+    ``--cpus-per-task={threads}``, the Snakefile's ``threads`` being this ``cpus_per_task``.
     """
-    gpus, nodes, cpus = int(res.get("gpus", 0)), int(res.get("nodes", 1)), res.get("cpus_per_task", 1)
-    out: dict[str, Any] = {"mem_mb": res.get("mem_mb", 4000), "runtime": res.get("runtime", 30), "cpus_per_task": cpus}
+    gpus, nodes, cpus = int(res.get("gpus", 0)), int(res.get("nodes", 1)), int(res.get("cpus_per_task", 1))
+    out: dict[str, Any] = {"mem_mb": res.get("mem_mb", 4000), "runtime": res.get("runtime", 30),
+                           "cpus_per_task": cpus * gpus if gpus else cpus}
     if gpus:
-        out.update(cpus_per_gpu=cpus, tasks_per_gpu=0, gpus_per_node=gpus)
+        out.update(tasks_per_gpu=0, gpus_per_node=gpus)
         if nodes > 1:
             out.update(nodes=nodes, gres=f"gpu:{gpus}", mpi="srun", tasks=nodes)
         else:

@@ -110,7 +110,8 @@ class Stage:
         plots: DVC plot definitions (top-level ``plots:`` entries) for this stage's outputs.
         launcher: ``python`` or ``accelerate`` (:mod:`paco.core.launch` with the stage's
             ``resources`` process count and accelerate config: ``accelerate launch`` where the
-            config or the count asks for it, else one process in place).
+            config or the count asks for it, else one process in place; ``--resources`` names the
+            member's resources block, whose ``gpus`` and ``nodes`` the launcher reads).
         foreach: the params section whose keys are the members (``None``: a plain stage).
         stage_plots: DVC stage-level plots ``{path: {"x": col, "y": col}}`` (outputs; usable with
             ``${key}`` in foreach stages, unlike the top-level ``plots``).
@@ -166,11 +167,14 @@ class Stage:
         module = self.module or self.name
         if self.launcher == "accelerate":
             res = "item.resources" if self.foreach else f"resources.stages.{self.name}"
+            # the member's resources block by name, not value: the launcher reads its launch-only
+            # gpus and nodes from the params file (a value in the command would rerun the stage)
+            block = f"{self.foreach}.${{key}}.resources" if self.foreach else res
             # paco.core.launch checks the params first (one clear message, exit code 2), then runs
             # one plain process in place or hands the stage to `accelerate launch`
             launch = (
                 f"python -m paco.core.launch --config_file workflow/accelerate/${{{res}.accelerate_config}}.yaml "
-                f"--num_processes ${{{res}.processes}} -m"
+                f"--num_processes ${{{res}.processes}} --resources {block} -m"
             )
             if self.subprocesses:  # it may serve its judge on GPUs of its own: the launcher splits them
                 launch = launch[:-len("-m")] + "--serves_judge -m"

@@ -1,4 +1,4 @@
-"""Stage launcher: ``python -m paco.core.launch --config_file CFG --num_processes N -m MODULE ARGS``.
+"""Stage launcher: ``python -m paco.core.launch --config_file CFG --num_processes N [--resources KEY] -m MODULE ARGS``.
 
 Every stage that shards its work over processes has this command (``workflow/registry.py``).
 The launcher
@@ -25,23 +25,34 @@ The launcher
    one that set torch's thread count). Unless it is set, it gets accelerate's value
    (:func:`accelerate_omp_threads`).
 
+``--resources KEY`` (every registry command has it) names the stage member's resources block in
+the params file (``resources.stages.<stage>``, ``grpo.<subtask>.resources``); the launcher reads
+its ``gpus`` and ``nodes`` (per node; ``resources.default`` updated by the block, as the Snakefile
+gives them to SLURM: :func:`member_resources`). They are launch-only keys, so they are read here,
+not written into the command (a command change reruns the stage).
+
 With ``--serves_judge`` (the command of a stage that may start its own judge server: grpo,
 final_samples) and a served judge on GPUs of the job (``judge_endpoint.url`` null,
 ``judge_endpoint.server.gpus`` N > 0), the launcher first splits this node's GPUs
-(:func:`judge_gpu_split`): the first N of the allocation (:func:`visible_gpus`) go to the judge
-(``PACO_JUDGE_DEVICES``, read by ``paco.grpo.judge_endpoint``), the rest to the stage's processes
-(``CUDA_VISIBLE_DEVICES``), one each: ``--num_processes`` must equal their count. This is the
-reference's hand step on one 8-GPU node (PaCo-GRPO/README.md §3-4: the vLLM server on
-``CUDA_VISIBLE_DEVICES=0``, training on ``1,...,7``) done by the job itself.
+(:func:`judge_gpu_split`): of the allocation (:func:`visible_gpus`; on a machine without one, every
+GPU ``nvidia-smi`` lists) it takes the first ``gpus`` of the member (a message says so when more are
+visible), gives the first N to the judge (``PACO_JUDGE_DEVICES``, read by
+``paco.grpo.judge_endpoint``) and the rest to the stage's processes (``CUDA_VISIBLE_DEVICES``), one
+each: ``--num_processes`` must equal their count. This is the reference's hand step on one 8-GPU
+node (PaCo-GRPO/README.md §3-4: the vLLM server on ``CUDA_VISIBLE_DEVICES=0``, training on
+``1,...,7``) done by the job itself.
 
-Several machines (``resources.nodes`` > 1, a SLURM job of that many nodes): started once in the
-allocation (``SLURM_NNODES`` > 1), the launcher replaces itself with ``srun`` starting itself once
-per node (:func:`fan_out_command`); each per-node launcher splits its node's GPUs as above and
-runs ``accelerate launch --num_machines M --machine_rank R --main_process_ip IP
---main_process_port P --num_processes processes*M`` (:func:`machine_topology`). The four flags may
-also be given to the launcher itself (then no fan-out; ``--num_machines 1`` turns it off), and
-``--num_processes`` stays per machine. In a multi-node allocation every accelerate stage spans all
-its nodes.
+Several machines (the member's ``nodes`` > 1, a SLURM job of that many nodes): started once in the
+allocation, the launcher replaces itself with ``srun`` starting itself once per node
+(:func:`fan_out_command`). Under snakemake-executor-plugin-slurm the command runs without the
+allocation's ``SLURM_*`` variables but the job id (its jobstep strips them), so the hosts come from
+``scontrol show job $SLURM_JOB_ID`` when ``SLURM_JOB_NODELIST`` is unset
+(:func:`slurm_allocation`), and an allocation of another node count is exit code 2. Each per-node
+launcher splits its node's GPUs as above and runs ``accelerate launch --num_machines M
+--machine_rank R --main_process_ip IP --main_process_port P --num_processes processes*M``
+(:func:`machine_topology`, :func:`accelerate_command`). The four flags may also be given to the
+launcher itself (then no fan-out; ``--num_machines 1`` turns it off), and ``--num_processes`` stays
+per machine. Without ``--resources`` the node count is ``SLURM_NNODES`` (1 outside SLURM).
 
 Exit codes: the stage's own (2: invalid params, a bad input artifact, a GPU split that does not
 fit, a malformed multi-machine launch), or accelerate's.
@@ -224,17 +235,46 @@ def split_gpus(gpus: list[str], n: int) -> tuple[list[str], list[str]]:
     return list(gpus[:n]), list(gpus[n:])
 
 
+def member_resources(params_file: str, key: str) -> dict[str, Any]:
+    """The resources of the stage member whose block is at the dotted ``key`` of the params file
+    (``resources.stages.composites``, ``grpo.t2is.resources``): ``resources.default`` updated by
+    that block, read from the file as written, as ``workflow.stage.Member.resources`` gives them to
+    the Snakefile's job (so ``gpus`` and ``nodes`` are what SLURM was asked for). A block the file
+    does not write is empty (the defaults apply).
+
+    Raises:
+        LaunchError: ``key`` reaches a value that is not a mapping.
+        paco.core.params.ParamsError: the params file is unreadable.
+    """
+    from paco.core.params.base import read_params_yaml
+
+    raw = read_params_yaml(params_file) or {}
+    node: Any = raw
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    default = (raw.get("resources") or {}).get("default") or {}
+    if not isinstance(node or {}, Mapping) or not isinstance(default, Mapping):
+        raise LaunchError(f"--resources {key}: {params_file} holds no resources mapping there")
+    return {**default, **(node or {})}
+
+
 def judge_gpu_split(params_file: str, config: Mapping[str, Any], num_processes: int,
-                    env: Mapping[str, str] | None = None) -> dict[str, str]:
+                    env: Mapping[str, str] | None = None, gpus: int | None = None,
+                    key: str = "resources") -> dict[str, str]:
     """The variables that give this node's first ``judge_endpoint.server.gpus`` GPUs to the stage's
     judge server and the rest to its processes: ``{"PACO_JUDGE_DEVICES": ..., "CUDA_VISIBLE_DEVICES":
     ...}`` (comma-joined :func:`split_gpus` of :func:`visible_gpus`); ``{}`` when the params serve no
     judge on GPUs of its own (``judge_endpoint.url`` set, or ``server.gpus`` 0).
 
+    ``gpus``: the member's ``resources.gpus`` (``key``: its resources block, named in messages):
+    of more visible GPUs (a machine without an allocation, where ``nvidia-smi`` lists all), the
+    first ``gpus`` are taken, with a message on stderr; ``None``: every visible GPU.
+
     Raises:
-        LaunchError: no allocation found, too few GPUs, ``num_processes`` (``resources.processes``)
-            not the number of GPUs left, or an accelerate ``config`` whose ``gpu_ids`` is not
-            ``all`` (accelerate would set ``CUDA_VISIBLE_DEVICES`` itself).
+        LaunchError: no allocation found, fewer visible GPUs than ``gpus``, too few GPUs,
+            ``num_processes`` (``resources.processes``) not the number of GPUs left, or an
+            accelerate ``config`` whose ``gpu_ids`` is not ``all`` (accelerate would set
+            ``CUDA_VISIBLE_DEVICES`` itself).
         paco.core.params.ParamsError: the params file is invalid.
     """
     from paco.core.params import load_params
@@ -247,11 +287,18 @@ def judge_gpu_split(params_file: str, config: Mapping[str, Any], num_processes: 
     if ids != "all":
         raise LaunchError(f"accelerate config gpu_ids {ids!r} with judge_endpoint.server.gpus {n}: the launcher "
                           "splits the GPUs itself; use a config with gpu_ids: all")
-    gpus = visible_gpus(env)
-    mine, rest = split_gpus(gpus, n)
+    visible = visible_gpus(env)
+    if gpus is not None and len(visible) < gpus:
+        raise LaunchError(f"{key}.gpus {gpus} but this node has {len(visible)} GPUs for the job "
+                          f"({','.join(visible)})")
+    if gpus is not None and len(visible) > gpus:
+        print(f"paco.core.launch: {key}.gpus {gpus}: taking the first {gpus} of the {len(visible)} visible GPUs "
+              f"({','.join(visible)})", file=sys.stderr)
+        visible = visible[:gpus]
+    mine, rest = split_gpus(visible, n)
     if len(rest) != num_processes:
         raise LaunchError(f"resources.processes {num_processes} (--num_processes) but {len(rest)} GPUs are left "
-                          f"for the stage's processes on this node: {len(gpus)} visible ({','.join(gpus)}) minus "
+                          f"for the stage's processes on this node: {len(visible)} GPUs ({','.join(visible)}) minus "
                           f"judge_endpoint.server.gpus {n}")
     return {"PACO_JUDGE_DEVICES": ",".join(mine), "CUDA_VISIBLE_DEVICES": ",".join(rest)}
 
@@ -272,68 +319,106 @@ def slurm_nodes(env: Mapping[str, str]) -> int:
     return int(value)
 
 
-def main_host(env: Mapping[str, str]) -> str:
-    """The first host of the allocation (``scontrol show hostnames $SLURM_JOB_NODELIST``, line 1):
-    where machine rank 0 runs and the others meet it.
+def _scontrol(env: Mapping[str, str], *args: str) -> str:
+    """``scontrol ARGS``'s output.
 
     Raises:
-        LaunchError: no ``SLURM_JOB_NODELIST``, or no ``scontrol`` that expands it.
+        LaunchError: no ``scontrol`` on ``PATH``, or it fails.
     """
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not nodelist:
-        raise LaunchError("SLURM_NNODES > 1 but no SLURM_JOB_NODELIST: which host is machine rank 0?")
     scontrol = shutil.which("scontrol", path=env.get("PATH"))
     if scontrol is None:
-        raise LaunchError("SLURM_NNODES > 1 but scontrol is not on PATH (it expands SLURM_JOB_NODELIST)")
+        raise LaunchError("a multi-node launch needs scontrol on PATH (it names the allocation's hosts)")
     try:
-        out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60,
-                             check=True).stdout
+        return subprocess.run([scontrol, *args], capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        raise LaunchError(f"scontrol show hostnames {nodelist}: {exc}") from exc
-    if not out.split():
+        raise LaunchError(f"scontrol {' '.join(args)}: {exc}") from exc
+
+
+def slurm_allocation(env: Mapping[str, str]) -> tuple[list[str], int | None]:
+    """``(hosts, cpus_per_task)`` of the SLURM job this runs in: the hosts in order (the first is
+    where machine rank 0 runs and the others meet it), and the job's CPUs per task (``None``: not
+    set). From ``SLURM_JOB_NODELIST`` and ``SLURM_CPUS_PER_TASK`` when set; otherwise (the slurm
+    executor plugin's jobstep drops every ``SLURM_*`` variable but the job id,
+    ``snakemake_executor_plugin_slurm_jobstep`` 0.6 ``run_job``) from ``scontrol show job
+    $SLURM_JOB_ID`` (its ``NodeList=`` and ``CPUs/Task=`` fields). The list is expanded by
+    ``scontrol show hostnames``.
+
+    Raises:
+        LaunchError: neither a node list nor a job id (not in a SLURM job), no ``scontrol``, or a
+            job with no node list.
+    """
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    cpus = env.get("SLURM_CPUS_PER_TASK")
+    if not nodelist:
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if not job:
+            raise LaunchError("not in a SLURM job (neither SLURM_JOB_NODELIST nor SLURM_JOB_ID is set): several "
+                              "nodes need a SLURM allocation of that many nodes")
+        fields: dict[str, str] = {}
+        for token in _scontrol(env, "show", "job", job).split():
+            name, _, value = token.partition("=")
+            fields.setdefault(name, value)
+        nodelist = fields.get("NodeList", "")
+        cpus = cpus or fields.get("CPUs/Task")
+        if not nodelist or nodelist == "(null)":
+            raise LaunchError(f"scontrol show job {job} names no NodeList (the job is not running?)")
+    hosts = _scontrol(env, "show", "hostnames", nodelist).split()
+    if not hosts:
         raise LaunchError(f"scontrol show hostnames {nodelist} printed no host")
-    return out.split()[0]
+    return hosts, int(cpus) if cpus and cpus.isdigit() and int(cpus) > 0 else None
 
 
-def _free_port() -> int:
+def free_port(host: str = "") -> int:
+    """A TCP port free on ``host`` now (the OS picks it: bind to port 0); ``""``: every interface
+    (a port other machines connect to), ``"127.0.0.1"``: loopback only."""
     import socket
 
     with socket.socket() as sock:
-        sock.bind(("", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
-def fan_out_command(argv: list[str], env: Mapping[str, str], port: int | None = None) -> tuple[list[str], dict[str, str]]:
+def fan_out_command(argv: list[str], env: Mapping[str, str], nodes: int | None = None, key: str = "SLURM_NNODES",
+                    port: int | None = None) -> tuple[list[str], dict[str, str]]:
     """``(srun argv, its environment)`` that starts this launcher (``argv``: its own arguments) once
-    on every node of a SLURM allocation of ``SLURM_NNODES`` > 1 nodes: ``srun --nodes N
-    --ntasks-per-node 1 --kill-on-bad-exit=1 [$PACO_SRUN_ARGS] python -m paco.core.launch ARGV``,
-    with :data:`NODE_TASK_ENV`, ``PACO_MAIN_PROCESS_IP`` (:func:`main_host`) and
-    ``PACO_MAIN_PROCESS_PORT`` (``port``, default a port free here: the batch script runs on the
-    first host) set, and this host's ``CUDA_VISIBLE_DEVICES`` / ``PACO_JUDGE_DEVICES`` dropped
-    (each node's step has its own GPUs). The reference edits its ``multi_node.yaml`` per node by
-    hand (``num_machines``, ``machine_rank``, ``main_process_ip``, ``main_process_port``).
+    on every node of a SLURM allocation of ``nodes`` > 1 nodes (``None``: ``SLURM_NNODES``; ``key``:
+    where the count comes from, named in messages): ``srun --nodes N --ntasks-per-node 1
+    [--cpus-per-task=C] --kill-on-bad-exit=1 [$PACO_SRUN_ARGS] python -m paco.core.launch ARGV``,
+    with :data:`NODE_TASK_ENV`, ``PACO_NUM_MACHINES`` (N), ``PACO_MAIN_PROCESS_IP`` (the first host,
+    :func:`slurm_allocation`) and ``PACO_MAIN_PROCESS_PORT`` (``port``, default a port free here:
+    the batch script runs on the first host) set, and this host's ``CUDA_VISIBLE_DEVICES`` /
+    ``PACO_JUDGE_DEVICES`` dropped (each node's step has its own GPUs). ``C`` is the job's CPUs per
+    task: srun does not inherit ``SLURM_CPUS_PER_TASK`` since Slurm 22.05, so without it each
+    node's step would get one CPU. The reference edits its ``multi_node.yaml`` per node by hand
+    (``num_machines``, ``machine_rank``, ``main_process_ip``, ``main_process_port``).
 
     Raises:
-        LaunchError: no ``srun`` or ``scontrol`` on PATH, no node list.
+        LaunchError: no ``srun`` or ``scontrol`` on PATH, not in a SLURM job, or an allocation whose
+            node count is not ``nodes``.
     """
     import shlex
 
     srun = shutil.which("srun", path=env.get("PATH"))
     if srun is None:
-        raise LaunchError("SLURM_NNODES > 1 but srun is not on PATH (it starts one launcher per node)")
-    host = main_host(env)
-    cmd = [srun, "--nodes", str(slurm_nodes(env)), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
-           *shlex.split(env.get("PACO_SRUN_ARGS", "")), sys.executable, "-m", "paco.core.launch", *argv]
+        raise LaunchError(f"{key} > 1 but srun is not on PATH (it starts one launcher per node)")
+    nodes = slurm_nodes(env) if nodes is None else nodes
+    hosts, cpus = slurm_allocation(env)
+    if len(hosts) != nodes:
+        raise LaunchError(f"{key} {nodes} but the SLURM allocation has {len(hosts)} node(s) ({','.join(hosts)}): "
+                          "submit the stage with that many nodes, or set the key to the allocation's")
+    cmd = [srun, "--nodes", str(nodes), "--ntasks-per-node", "1", *([f"--cpus-per-task={cpus}"] if cpus else []),
+           "--kill-on-bad-exit=1", *shlex.split(env.get("PACO_SRUN_ARGS", "")), sys.executable, "-m",
+           "paco.core.launch", *argv]
     child = {k: v for k, v in env.items() if k not in ("CUDA_VISIBLE_DEVICES", "PACO_JUDGE_DEVICES")}
-    child.update({NODE_TASK_ENV: "1", "PACO_MAIN_PROCESS_IP": host,
-                  "PACO_MAIN_PROCESS_PORT": str(port or _free_port())})
+    child.update({NODE_TASK_ENV: "1", "PACO_NUM_MACHINES": str(nodes), "PACO_MAIN_PROCESS_IP": hosts[0],
+                  "PACO_MAIN_PROCESS_PORT": str(port or free_port())})
     return cmd, child
 
 
 def machine_topology(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, int, str | None, int | None]:
     """``(num_machines, machine_rank, main_process_ip, main_process_port)`` of this launcher: its
-    ``--num_machines`` ... flags when given, else a per-node launcher's SLURM values
-    (``SLURM_NNODES``, ``SLURM_NODEID``, ``PACO_MAIN_PROCESS_IP`` / ``_PORT``), else one machine.
+    ``--num_machines`` ... flags when given, else a per-node launcher's values (``PACO_NUM_MACHINES``
+    or ``SLURM_NNODES``, ``SLURM_NODEID``, ``PACO_MAIN_PROCESS_IP`` / ``_PORT``), else one machine.
 
     Raises:
         LaunchError: ``--num_machines`` > 1 without the other three flags, a rank out of range, or
@@ -346,7 +431,8 @@ def machine_topology(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[
                               "--main_process_port")
     elif env.get(NODE_TASK_ENV):
         try:
-            machines, rank = slurm_nodes(env), int(env["SLURM_NODEID"])
+            machines = int(env["PACO_NUM_MACHINES"]) if env.get("PACO_NUM_MACHINES") else slurm_nodes(env)
+            rank = int(env["SLURM_NODEID"])
             ip, port = env["PACO_MAIN_PROCESS_IP"], int(env["PACO_MAIN_PROCESS_PORT"])
         except (KeyError, ValueError) as exc:
             raise LaunchError(f"a per-node launcher ({NODE_TASK_ENV} set) without its SLURM variables: {exc}") from exc
@@ -354,6 +440,68 @@ def machine_topology(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[
         return 1, 0, None, None
     if machines < 1 or not 0 <= rank < machines:
         raise LaunchError(f"machine rank {rank} of {machines} machines")
+    return machines, rank, ip, port
+
+
+def accelerate_command(config_file: str, config: Mapping[str, Any], num_processes: int, machines: int = 1,
+                       rank: int = 0, ip: str | None = None, port: int | None = None) -> list[str]:
+    """The ``accelerate launch`` argv (without ``-m MODULE ARGS``) for ``num_processes`` processes on
+    each of ``machines`` machines (accelerate's ``--num_processes`` is the total over them). With
+    several machines: ``--num_machines --machine_rank --main_process_ip --main_process_port``, and for a
+    DeepSpeed ``config`` ``--deepspeed_multinode_launcher standard``: each node's launcher starts its
+    own processes (accelerate's default for DeepSpeed on several machines, ``pdsh``, would start
+    every node's from this one over ssh: ``accelerate/commands/launch.py``, ``deepspeed_launcher``)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+               "--num_processes", str(num_processes * machines)]
+    if machines > 1:
+        command += ["--num_machines", str(machines), "--machine_rank", str(rank), "--main_process_ip", str(ip),
+                    "--main_process_port", str(port)]
+        if str(config.get("distributed_type", "NO")).upper() == "DEEPSPEED":
+            command += ["--deepspeed_multinode_launcher", "standard"]
+    return command
+
+
+def _parse(launcher_args: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m paco.core.launch",
+                                     description="Run a stage in this process or under accelerate launch.")
+    parser.add_argument("--config_file", required=True, help="accelerate config (YAML)")
+    parser.add_argument("--num_processes", type=int, default=1, help="processes on this machine")
+    parser.add_argument("--resources", default=None,
+                        help="the dotted params key of the stage member's resources block (member_resources)")
+    parser.add_argument("--serves_judge", action="store_true",
+                        help="the stage may serve its judge on GPUs of its own (judge_gpu_split)")
+    parser.add_argument("--num_machines", type=int, default=None,
+                        help="machines (one launcher each; default: the member's nodes, by srun)")
+    parser.add_argument("--machine_rank", type=int, default=None)
+    parser.add_argument("--main_process_ip", default=None)
+    parser.add_argument("--main_process_port", type=int, default=None)
+    return parser.parse_args(launcher_args)
+
+
+def _place(args: argparse.Namespace, argv: list[str], params_file: str,
+           config: Mapping[str, Any]) -> tuple[int, int, str | None, int | None]:
+    """Fan out over the nodes (an exec) or return this launcher's :func:`machine_topology`, after
+    setting this node's GPU split for a served judge.
+
+    Raises:
+        LaunchError: see :func:`fan_out_command`, :func:`machine_topology`, :func:`judge_gpu_split`.
+    """
+    res = member_resources(params_file, args.resources) if args.resources else {}
+    where = f"{args.resources}.nodes" if args.resources else "SLURM_NNODES"
+    nodes = int(res.get("nodes", 1)) if args.resources else slurm_nodes(os.environ)
+    node_task = bool(os.environ.get(NODE_TASK_ENV))
+    if args.num_machines is None and not node_task and nodes > 1:
+        command, env = fan_out_command(argv, os.environ, nodes, where)  # this launcher again, on every node
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(command[0], command, env)
+    machines, rank, ip, port = machine_topology(args, os.environ)
+    if node_task and args.num_machines is None and machines != nodes:
+        raise LaunchError(f"{where} {nodes} but this per-node launcher is one of {machines} machines")
+    if args.serves_judge:  # per node
+        gpus = int(res.get("gpus", 0)) if args.resources else None
+        os.environ.update(judge_gpu_split(params_file, config, args.num_processes, gpus=gpus,
+                                          key=args.resources or "resources"))
     return machines, rank, ip, port
 
 
@@ -366,18 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     fix_numerics_env()
     try:
         launcher_args, module, stage_args = split_command(argv)
-        parser = argparse.ArgumentParser(prog="python -m paco.core.launch",
-                                         description="Run a stage in this process or under accelerate launch.")
-        parser.add_argument("--config_file", required=True, help="accelerate config (YAML)")
-        parser.add_argument("--num_processes", type=int, default=1, help="processes on this machine")
-        parser.add_argument("--serves_judge", action="store_true",
-                            help="the stage may serve its judge on GPUs of its own (judge_gpu_split)")
-        parser.add_argument("--num_machines", type=int, default=None,
-                            help="machines (one launcher each; default: SLURM_NNODES, by srun)")
-        parser.add_argument("--machine_rank", type=int, default=None)
-        parser.add_argument("--main_process_ip", default=None)
-        parser.add_argument("--main_process_port", type=int, default=None)
-        args = parser.parse_args(launcher_args)
+        args = _parse(launcher_args)
         config = read_accelerate_config(args.config_file)
     except LaunchError as exc:
         print(exc, file=sys.stderr)
@@ -389,26 +526,14 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         return code
     try:
-        if args.num_machines is None and not os.environ.get(NODE_TASK_ENV) and slurm_nodes(os.environ) > 1:
-            command, env = fan_out_command(argv, os.environ)  # this launcher again, on every node
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.execve(command[0], command, env)
-        machines, rank, ip, port = machine_topology(args, os.environ)
-        if args.serves_judge:  # per node
-            os.environ.update(judge_gpu_split(params_path(stage_args), config, args.num_processes))
+        machines, rank, ip, port = _place(args, argv, params_path(stage_args), config)
     except LaunchError as exc:
         print(f"paco.core.launch: {exc}", file=sys.stderr)
         return 2
 
     reason = launcher_needed(config, args.num_processes) or (f"{machines} machines" if machines > 1 else None)
     if reason is not None:
-        # accelerate's --num_processes is the total over the machines
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
-                   "--num_processes", str(args.num_processes * machines)]
-        if machines > 1:
-            command += ["--num_machines", str(machines), "--machine_rank", str(rank), "--main_process_ip", str(ip),
-                        "--main_process_port", str(port)]
+        command = accelerate_command(args.config_file, config, args.num_processes, machines, rank, ip, port)
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, [*command, "-m", module, *stage_args])

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from paco.core.launch import free_port
 from paco.core.numerics import fix_numerics_env
 from paco.judge.client import JudgeClient, JudgeError
 
@@ -66,6 +67,17 @@ def vllm_command(model_dir: str | os.PathLike[str], served_model_name: str, port
     return cmd + [str(a) for a in extra_args]
 
 
+#: variables of the distributed launch (torchrun / torch-elastic, accelerate) that the judge
+#: server, started by the stage's rank-0 process, would inherit: vLLM's own workers read
+#: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` / ``MASTER_PORT`` to set up their
+#: process group, and would join the stage's (torch ``init_process_group(init_method="env://")``)
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                    "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: prefixes of the same: torch-elastic's agent (``TORCHELASTIC_RUN_ID`` ...) and accelerate's
+#: launcher (``ACCELERATE_MIXED_PRECISION``, ``ACCELERATE_USE_DEEPSPEED`` ...)
+LAUNCH_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_")
+
+
 def server_env(base_env: Mapping[str, str], visible_devices: str | None = None) -> dict[str, str]:
     """The environment of a local judge server: a copy of ``base_env`` with
 
@@ -75,23 +87,18 @@ def server_env(base_env: Mapping[str, str], visible_devices: str | None = None) 
       depend on the machine's load or CPU model;
     - no ``PACO_JUDGE_API_KEY`` (a key set to reach some remote judge is not this loopback server's,
       which would then refuse its own stage's requests);
+    - none of the stage's launch variables (:data:`LAUNCH_VARIABLES`, names starting with
+      :data:`LAUNCH_PREFIXES`): the server is a process of its own, not a rank of the stage;
     - ``CUDA_VISIBLE_DEVICES=visible_devices`` when it is given (the judge's GPUs, comma-separated
       indices or UUIDs, ``PACO_JUDGE_DEVICES``); otherwise the caller's own.
     """
-    env = {**base_env, "OMP_WAIT_POLICY": base_env.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env = {k: v for k, v in base_env.items() if k not in LAUNCH_VARIABLES and not k.startswith(LAUNCH_PREFIXES)}
+    env["OMP_WAIT_POLICY"] = base_env.get("OMP_WAIT_POLICY", "PASSIVE")
     fix_numerics_env(env)
     env.pop("PACO_JUDGE_API_KEY", None)
     if visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_devices
     return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _parent_death_signal() -> Any:
@@ -216,7 +223,7 @@ class LocalJudgeServer:
         self._log_file.parent.mkdir(parents=True, exist_ok=True)
         preexec = None
         if self.engine == "vllm":
-            port = _free_port()
+            port = free_port("127.0.0.1")
             self.cmd = vllm_command(self.model_dir, self.served_model_name, port, python=self.python,
                                     dtype=self.dtype, max_model_len=self.max_model_len,
                                     max_logprobs=self.max_logprobs,

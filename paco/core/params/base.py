@@ -31,6 +31,14 @@ IntPair = Annotated[tuple[int, int], Strict(False)]
 FloatPair = Annotated[tuple[float, float], Strict(False)]
 
 
+#: a model role's name (``models.<role>``, the directory ``data/models/<role>``): lower-case
+#: letters, digits and ``_``, starting with a letter
+ROLE_NAME = r"[a-z][a-z0-9_]*"
+#: a ``models`` stage output directory, ``data/models/<role>`` (group 1: the role); a released
+#: checkpoint named as a path (``judge_endpoint.model``, ``final_samples.<k>.lora``)
+ROLE_PATH = re.compile(rf"data/models/({ROLE_NAME})")
+
+
 _ABSENT = object()
 
 

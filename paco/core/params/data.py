@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from paco.core.params.base import FloatPair, IntPair, _Section
+from paco.core.params.base import ROLE_NAME, FloatPair, IntPair, _Section
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ class ModelsParams(_Section):
     @model_validator(mode="after")
     def _extra_roles(self) -> ModelsParams:
         for role, spec in (self.model_extra or {}).items():
-            if not re.fullmatch(r"[a-z][a-z0-9_]*", role):
+            if not re.fullmatch(ROLE_NAME, role):
                 raise ValueError(f"models.{role}: a role name is lower-case letters, digits and _ (it names "
                                  "the directory data/models/<role>)")
             if not isinstance(spec, str) or not spec.strip():

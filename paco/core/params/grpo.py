@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from paco.core.params.base import FloatPair, _Section
+from paco.core.params.base import ROLE_PATH, FloatPair, _Section
 from paco.core.params.resources import check_nodes
 
 
@@ -149,23 +149,24 @@ class GrpoEvalParams(_Section):
 
 class SubtaskResources(_Section):
     """Launcher and SLURM resources of a foreach member (as ``resources.default``; ``processes`` and
-    ``gpus`` per node, ``nodes`` > 1 needs GPUs).
+    ``gpus`` per node, ``nodes`` > 1 needs GPUs and a GPU ``accelerate_config``).
 
     Raises (validation):
-        ValueError: ``nodes`` > 1 with ``gpus`` 0.
+        ValueError: ``nodes`` > 1 with ``gpus`` 0 or ``accelerate_config`` ``cpu``
+            (:func:`paco.core.params.resources.check_nodes`).
     """
 
     processes: int = Field(1, ge=1, description="accelerate processes per node (one per GPU on GPUs)")
     gpus: int = Field(0, ge=0, description="GPUs per node")
     nodes: int = Field(1, ge=1, description="SLURM nodes; > 1: paco.core.launch starts one launcher per node")
-    cpus_per_task: int = Field(2, ge=1)
+    cpus_per_task: int = Field(2, ge=1, description="CPU threads of the task; on GPUs per GPU (as resources.default)")
     mem_mb: int = Field(6000, ge=100)
     runtime: int = Field(60, ge=1, description="minutes")
     accelerate_config: str = "cpu"
 
     @model_validator(mode="after")
     def _nodes_need_gpus(self) -> SubtaskResources:
-        check_nodes(self.nodes, self.gpus)
+        check_nodes(self.nodes, self.gpus, self.accelerate_config)
         return self
 
 
@@ -215,7 +216,7 @@ class GrpoSubtaskParams(_Section):
 #: ``final_samples.<k>.lora`` of a LoRA trained here (group 1: the ``grpo`` key)
 LORA_GRPO_PATH = re.compile(r"data/grpo/([A-Za-z0-9_.-]+)/lora")
 #: ``final_samples.<k>.lora`` of a released LoRA fetched by the ``models`` stage (group 1: the role)
-LORA_ROLE_PATH = re.compile(r"data/models/([a-z][a-z0-9_]*)")
+LORA_ROLE_PATH = ROLE_PATH
 
 
 class FinalSamplesParams(_Section):

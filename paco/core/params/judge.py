@@ -4,12 +4,11 @@ final sampling reach the judge; see :mod:`paco.core.params` for the typing rules
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from paco.core.params.base import FloatPair, _Section
+from paco.core.params.base import ROLE_PATH, FloatPair, _Section
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,7 +252,7 @@ class JudgeServerParams(_Section):
 #: ``judge_endpoint.model`` of the judge this pipeline trains (``reward_merge``'s output)
 JUDGE_TRAINED = "data/reward_merge/model"
 #: ``judge_endpoint.model`` of a judge fetched by the ``models`` stage (group 1: the role)
-JUDGE_ROLE_PATH = re.compile(r"data/models/([a-z][a-z0-9_]*)")
+JUDGE_ROLE_PATH = ROLE_PATH
 
 
 class JudgeEndpointParams(_Section):

@@ -8,15 +8,19 @@ from pydantic import Field, model_validator
 from paco.core.params.base import _Section
 
 
-def check_nodes(nodes: int, gpus: int) -> None:
+def check_nodes(nodes: int, gpus: int, accelerate_config: str) -> None:
     """``nodes`` > 1 spans several SLURM nodes, one launcher each (``paco.core.launch``): only for
-    GPU stages.
+    GPU stages, with an accelerate config for GPUs (``workflow/accelerate/cpu.yaml`` has
+    ``use_cpu: true``: every node's processes would run on CPU beside their GPUs).
 
     Raises:
-        ValueError: ``nodes`` > 1 and ``gpus`` 0.
+        ValueError: ``nodes`` > 1 with ``gpus`` 0, or with ``accelerate_config`` ``cpu``.
     """
     if nodes > 1 and gpus == 0:
         raise ValueError(f"nodes {nodes} with gpus 0: several nodes are for GPU stages (gpus per node > 0)")
+    if nodes > 1 and accelerate_config == "cpu":
+        raise ValueError(f"nodes {nodes} with accelerate_config cpu: its processes would run on CPU; several "
+                         "nodes need a GPU config (ddp, zero2, fsdp)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -30,7 +34,8 @@ class StageResources(_Section):
     processes: int = Field(1, ge=1, description="accelerate processes per node (one per GPU on GPUs)")
     gpus: int = Field(0, ge=0, description="GPUs per node")
     nodes: int = Field(1, ge=1, description="SLURM nodes; > 1: paco.core.launch starts one launcher per node")
-    cpus_per_task: int = Field(1, ge=1, description="CPU threads per task (cpus_per_gpu on GPUs)")
+    cpus_per_task: int = Field(1, ge=1, description="CPU threads of the task; on GPUs per GPU (the job's task "
+                               "on each node gets cpus_per_task * gpus)")
     mem_mb: int = Field(4000, ge=100)
     runtime: int = Field(30, ge=1, description="minutes")
     accelerate_config: str = Field(
@@ -39,7 +44,7 @@ class StageResources(_Section):
 
     @model_validator(mode="after")
     def _nodes_need_gpus(self) -> StageResources:
-        check_nodes(self.nodes, self.gpus)
+        check_nodes(self.nodes, self.gpus, self.accelerate_config)
         return self
 
 
