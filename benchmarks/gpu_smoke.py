@@ -115,7 +115,8 @@ def smoke_params(device: str, dtype: str, sizes: dict[str, int], top_logprobs: i
     from paco.core.params import read_params_yaml
 
     raw = read_params_yaml(ROOT / "workflow/presets/paper.yaml")
-    raw["reward_train"].update(epochs=1, warmup_ratio=0.0, checkpoint_every=1, dtype=dtype)
+    # without gradient checkpointing: BlockProbe measures what each block keeps for the backward
+    raw["reward_train"].update(epochs=1, warmup_ratio=0.0, checkpoint_every=1, dtype=dtype, gradient_checkpointing=False)
     if sizes.get("sft_batch_size"):  # CPU path only: the preset's 8 x 4 pairs per step otherwise
         raw["reward_train"].update(batch_size=sizes["sft_batch_size"],
                                    gradient_accumulation_steps=sizes["sft_accumulation"])
@@ -127,7 +128,7 @@ def smoke_params(device: str, dtype: str, sizes: dict[str, int], top_logprobs: i
     g.update(epochs=1, prompts_per_epoch=sizes["prompts_per_epoch"], group_size=sizes["group_size"], save_every=1,
              dtype=dtype)
     g["rollout"].update(num_steps=sizes["rollout_steps"], max_sequence_length=sizes["max_sequence_length"])
-    g["train"].update(resolution=sizes["train_resolution"])
+    g["train"].update(resolution=sizes["train_resolution"], gradient_checkpointing=False)
     g["train"]["ema"].update(update_every=1)  # 2 optimizer steps never reach the preset's every-8th update
     g["eval"].update(resolution=sizes["eval_resolution"], num_steps=sizes["sample_steps"], max_prompts=1)
     f = raw["final_samples"]["t2is"]

@@ -32,6 +32,8 @@ activations         training: the transformer blocks' saved activations for one 
                     VAE decode (:data:`VAE_DECODE_BYTES_PER_PIXEL`); the larger of the two counts
 total               weights + LoRA + activations, without and with checkpointing; ``fits``: <=
                     :data:`DEVICE_GIB` (78.6 GiB: an "80 GB" GPU's usable memory)
+as configured       ``fits_configured``: ``fits_ckpt`` where the preset's ``gradient_checkpointing``
+                    (``reward_train``, ``grpo.<k>.train``; missing: off) is on, else ``fits``
 ==================  ==============================================================================
 
 ``bytes_per_token`` per block type comes from :class:`BlockProbe` when the GPU smoke
@@ -362,15 +364,23 @@ def _image_tokens(family: str, resolution: int) -> int:
 
 
 def _row(stage: str, weights: dict, lora_parameters: int | None, lora_kind: str | None, act: float, act_ckpt: float,
-         sources: list[str], **extra: Any) -> dict[str, Any]:
+         sources: list[str], checkpointing: bool | None = None, **extra: Any) -> dict[str, Any]:
     w = sum(v["gib"] for v in weights.values())
     lora = None if lora_parameters is None else lora_parameters * LORA_BYTES[lora_kind] / GIB
     a, ac = act / GIB, act_ckpt / GIB
     total, total_ckpt = w + (lora or 0.0) + a, w + (lora or 0.0) + ac
+    fits, fits_ckpt = total <= DEVICE_GIB, total_ckpt <= DEVICE_GIB  # checkpointing: a training row's switch or None
     return dict(stage=stage, weights_gib=w, lora_opt_gib=lora, activations_gib=a, activations_ckpt_gib=ac,
-                total_gib=total, total_ckpt_gib=total_ckpt, fits=total <= DEVICE_GIB,
-                fits_ckpt=total_ckpt <= DEVICE_GIB, activation_source="; ".join(sources), weights=weights,
-                lora_parameters=lora_parameters, **extra)
+                total_gib=total, total_ckpt_gib=total_ckpt, fits=fits, fits_ckpt=fits_ckpt,
+                gradient_checkpointing=checkpointing, fits_configured=fits_ckpt if checkpointing else fits,
+                activation_source="; ".join(sources), weights=weights, lora_parameters=lora_parameters, **extra)
+
+
+def _switch(section: dict[str, Any], where: str) -> bool:
+    """``section["gradient_checkpointing"]`` (missing: off, the schema's default). Raises ValueError: not a bool."""
+    if not isinstance(value := section.get("gradient_checkpointing", False), bool):
+        raise ValueError(f"{where}.gradient_checkpointing must be true or false, got {value!r}")
+    return value
 
 
 def _inference(family: str, resolution: int, batch: int, text: int, measured: Any) -> tuple[float, list[str]]:
@@ -392,8 +402,8 @@ def grpo_row(preset: dict[str, Any], key: str, measured: Any = None) -> dict[str
               _inference(fam, g["eval"]["resolution"], int(g["eval"]["batch_size"]), text, measured)[0])
     lora = lora_params(meta_model(FAMILY_BLOCKS[fam][0]), list(g["lora"]["target_modules"]), int(g["lora"]["rank"]))
     return _row(f"grpo@{key}", _weights(preset, g["policy"], list(g["rewards"]), g["dtype"]), lora, "grpo",
-                max(act, inf), max(act_ckpt, inf), sources + ["sampling: VAE decode analytic"], train_tokens=tokens,
-                sampling_gib=inf / GIB, true_cfg=cfg_on)
+                max(act, inf), max(act_ckpt, inf), sources + ["sampling: VAE decode analytic"],
+                _switch(t, f"grpo.{key}.train"), train_tokens=tokens, sampling_gib=inf / GIB, true_cfg=cfg_on)
 
 
 def final_samples_row(preset: dict[str, Any], key: str, measured: Any = None) -> dict[str, Any]:
@@ -429,7 +439,7 @@ def reward_train_row(preset: dict[str, Any], measured: Any = None) -> dict[str, 
                        prefix=language_model_prefix(model))
     return _row("reward_train", _weights(preset, "judge_base", [], rt["dtype"]), lora, "sft",
                 per * tokens * depth + logits, 2 * h * tokens * depth + per * tokens + logits,
-                [f"{JUDGE_BLOCK} {src}", "logits analytic"], train_tokens=tokens)
+                [f"{JUDGE_BLOCK} {src}", "logits analytic"], _switch(rt, "reward_train"), train_tokens=tokens)
 
 
 def judge_row(preset: dict[str, Any]) -> dict[str, Any]:
@@ -463,16 +473,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     def f(x: Any) -> str:
         return "-" if x is None else f"{x:.1f}"
 
-    head = (f"{'stage':30s} {'weights':>8s} {'LoRA+opt':>8s} {'act.':>7s} {'act.ckpt':>8s} {'total':>7s} "
-            f"{'tot.ckpt':>8s}  {f'fits {DEVICE_GIB:g} GiB':13s} activations from")
-    lines = [head]
+    lines = [f"{'stage':30s} {'weights':>8s} {'LoRA+opt':>8s} {'act.':>7s} {'act.ckpt':>8s} {'total':>7s} "
+             f"{'tot.ckpt':>8s}  {f'fits {DEVICE_GIB:g} GiB':13s} {'as configured':14s} activations from"]
+    mark = {None: "", True: " (ckpt)", False: " (no ckpt)"}
     for r in rows:
         fits = f"{'yes' if r['fits'] else 'NO'}/{'yes' if r['fits_ckpt'] else 'NO'}"
+        configured = f"{'yes' if r['fits_configured'] else 'NO'}{mark[r['gradient_checkpointing']]}"
         lines.append(f"{r['stage']:30s} {f(r['weights_gib']):>8s} {f(r['lora_opt_gib']):>8s} "
                      f"{f(r['activations_gib']):>7s} {f(r['activations_ckpt_gib']):>8s} {f(r['total_gib']):>7s} "
-                     f"{f(r['total_ckpt_gib']):>8s}  {fits:13s} {r['activation_source']}")
-    lines.append("GiB per GPU; ckpt: with gradient checkpointing (fits: without/with); analytic: an estimate, "
-                 "not measured (benchmarks/memory_plan.py)")
+                     f"{f(r['total_ckpt_gib']):>8s}  {fits:13s} {configured:14s} {r['activation_source']}")
+    lines.append("GiB per GPU; ckpt: with gradient checkpointing (fits: without/with; as configured: the preset's "
+                 "gradient_checkpointing); analytic: an estimate, not measured (benchmarks/memory_plan.py)")
     return "\n".join(lines)
 
 

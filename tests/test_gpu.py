@@ -192,8 +192,11 @@ def test_memory_plan_counts_loras_as_peft_does():
 def test_the_memory_plan_checks_an_80_gb_gpus_usable_memory():
     """A row fits when it is at most what one process can allocate on an "80 GB" GPU: 79.1 GiB
     total (torch's reported capacity) minus 0.5 GiB of CUDA context, not 80 GiB; so the paper
-    preset's grpo@kontext_editing without checkpointing (about 79.6 GiB, analytic) does not fit.
-    vLLM's share is of the total memory."""
+    preset's grpo@kontext_editing at train.batch_size 4 without checkpointing (about 79.6 GiB,
+    analytic) does not fit. ``fits_configured`` is the column the preset's gradient_checkpointing
+    selects (a missing key: off). vLLM's share is of the total memory."""
+    import copy
+
     from paco.core.params.base import read_params_yaml
 
     mp = _load("memory_plan")
@@ -202,8 +205,27 @@ def test_the_memory_plan_checks_an_80_gb_gpus_usable_memory():
         row = mp._row("x", {"w": {"gib": gib}}, None, None, 0.0, 0.0, [])
         assert (row["fits"], row["fits_ckpt"]) == (fits, fits), gib
     preset = read_params_yaml(ROOT / "workflow" / "presets" / "paper.yaml")
-    kontext = mp.grpo_row(preset, "kontext_editing")
+    batch4 = copy.deepcopy(preset)
+    batch4["grpo"]["kontext_editing"]["train"]["batch_size"] = 4
+    kontext = mp.grpo_row(batch4, "kontext_editing")
     assert 78.6 < kontext["total_gib"] <= 80 and not kontext["fits"] and kontext["fits_ckpt"]
+    for switch in (False, True, None):
+        if switch is None:
+            del batch4["grpo"]["kontext_editing"]["train"]["gradient_checkpointing"]
+        else:
+            batch4["grpo"]["kontext_editing"]["train"]["gradient_checkpointing"] = switch
+        row = mp.grpo_row(batch4, "kontext_editing")
+        assert row["gradient_checkpointing"] is bool(switch) and row["fits_configured"] is bool(switch)
+    batch4["grpo"]["kontext_editing"]["train"]["gradient_checkpointing"] = "yes"
+    with pytest.raises(ValueError, match="grpo.kontext_editing.train.gradient_checkpointing must be true or false"):
+        mp.grpo_row(batch4, "kontext_editing")
+    # the preset as configured: every training row fits on its GPU, reward_train and qwen_editing only with checkpointing
+    rows = {r["stage"]: r for r in mp.plan(preset)}
+    assert all(r["fits_configured"] for r in rows.values())
+    assert {s for s, r in rows.items() if r["gradient_checkpointing"]} == {"reward_train", "grpo@qwen_editing"}
+    assert not rows["reward_train"]["fits"] and not rows["grpo@qwen_editing"]["fits"]
+    assert rows["final_samples@t2is"]["gradient_checkpointing"] is None and rows["judge"]["gradient_checkpointing"] is None
+    assert "as configured" in mp.format_table(list(rows.values()))
     judge = mp.judge_row(preset)
     util = preset["judge_endpoint"]["server"]["gpu_memory_utilization"]
     assert judge["total_gib"] == pytest.approx(util * 79.1)

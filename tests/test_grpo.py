@@ -388,6 +388,41 @@ def test_the_loop_steps_one_at_a_time(tiny_model_dirs, tmp_path):
     assert row["epoch"] == 1 and "seconds" not in row  # plots hold deterministic figures only
 
 
+def test_gradient_checkpointing_is_switched_on_in_setup_and_changes_no_update(tiny_model_dirs, tmp_path):
+    """``train.gradient_checkpointing`` (default off, also in params.yaml) turns diffusers'
+    checkpointing on in setup; one epoch's update from the same rollouts then runs each block
+    once more per forward with gradients (the old adapter's and the reference's have none) and
+    gives the same LoRA weights and statistics, bit for bit."""
+    from pathlib import Path
+
+    from paco.core.params import read_params_yaml
+    from paco.grpo import trainer as T
+    from paco.grpo.rollout import rollout
+    from paco.grpo.run import GrpoState
+
+    assert GrpoSubtaskParams.model_validate({}).train.gradient_checkpointing is False
+    embedded = read_params_yaml(Path(__file__).resolve().parents[1] / "params.yaml")["grpo"]
+    assert embedded and all(g["train"]["gradient_checkpointing"] is False for g in embedded.values())
+    runs, calls = {}, {}
+    for ckpt in (False, True):
+        cfg = _cfg(epochs=1, train=dict(gradient_checkpointing=ckpt))
+        runs[ckpt] = T.setup(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(), _identity(cfg),
+                             checkpoints_dir=tmp_path / f"ck{ckpt}", plots_dir=None, accelerator=None)
+        assert runs[ckpt].policy.transformer.gradient_checkpointing is ckpt
+    roll = rollout(runs[False], 0)
+    adv = T.advantages(runs[False], T.reward(runs[False], roll), roll.chosen)
+    stats = {}
+    for ckpt, run in runs.items():
+        calls[ckpt] = []
+        run.policy.transformer.transformer_blocks[0].attn.register_forward_pre_hook(
+            lambda *_, c=calls[ckpt]: c.append(1))
+        stats[ckpt] = T.update(run, roll, adv.advantages, 0, GrpoState())
+    # per gradient step one chunk of 4: the old adapter's, the reference's (log_kl) and the trained forward
+    assert len(calls[False]) == 3 * 2 and len(calls[True]) == 4 * 2
+    assert stats[False] == stats[True] and stats[True]["n"] == 8
+    assert all(torch.equal(p, runs[True].trained[n]) for n, p in runs[False].trained.items())
+
+
 def test_an_evaluation_change_without_the_kept_weights_starts_fresh(tiny_model_dirs, tmp_path):
     prompts = _prompts()
     cfg = _cfg(epochs=2, save_every=1, eval=dict(every=1))

@@ -368,6 +368,48 @@ def test_too_few_pairs_is_an_error(tiny_model_dirs, tmp_path):
                      adapter_dir=None, checkpoints_dir=tmp_path / "ck")
 
 
+def test_gradient_checkpointing_recomputes_the_layers_and_changes_no_step(tiny_model_dirs, tmp_path):
+    """``gradient_checkpointing`` (default off, also in params.yaml) turns transformers'
+    non-reentrant checkpointing on in setup: every decoder layer of the language model is flagged,
+    a training forward runs each layer once more in the backward (counted at the first layer's
+    MLP), evaluation (no gradients) once; two optimizer steps give the same losses, gradient
+    norms and LoRA weights, bit for bit (CPU, float32)."""
+    from paco.core.run_identity import params_identity
+    from paco.judge import training as T
+    from paco.judge.batch_plan import epoch_plan
+    from paco.judge.run import RewardState
+    from workflow.registry import member
+
+    assert RewardTrainParams().gradient_checkpointing is False
+    embedded = yaml.safe_load((REPO / "params.yaml").read_text())["reward_train"]
+    assert embedded["gradient_checkpointing"] is False
+    sft = make_sft_table(16, 4)
+    out = {}
+    for ckpt in (False, True):
+        cfg = _cfg(batch_size=4, gradient_checkpointing=ckpt)
+        identity = params_identity(member("reward_train"), {"reward_train": cfg.model_dump(mode="json")})
+        run = T.setup(cfg, sft, tiny_model_dirs["judge_base"], identity, accelerator=T.make_accelerator(cfg),
+                      checkpoints_dir=tmp_path / f"ck{ckpt}", plots_dir=None)
+        layers = [m for m in run.model.modules() if type(m).__name__ == "Qwen2_5_VLDecoderLayer"]
+        assert layers and all(m.gradient_checkpointing is ckpt for m in layers)
+        calls = []
+        layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        plan = epoch_plan(len(run.train_rows), seed=cfg.seed, epoch=0, batch_size=cfg.batch_size, num_processes=1,
+                          grad_accum=cfg.gradient_accumulation_steps)
+        state = RewardState()
+        rows = [T.train_step(run, state, plan[s]) for s in range(2)]
+        assert len(calls) == 2 * (2 if ckpt else 1)
+        calls.clear()
+        T.evaluate_epoch(run, state, 1)
+        assert len(calls) == 1  # the 4 test pairs in one batch
+        out[ckpt] = (rows, {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad})
+        for h in run.hooks:
+            h.remove()
+    (rows0, lora0), (rows1, lora1) = out[False], out[True]
+    assert rows0 == rows1 and rows0[0]["grad_norm"] > 0
+    assert lora0.keys() == lora1.keys() and all(torch.equal(lora0[k], lora1[k]) for k in lora0)
+
+
 # --------------------------------------------------------------------------------------------
 # the stage under accelerate launch: 1 process == 2 processes (gloo) at the same global batch
 # --------------------------------------------------------------------------------------------

@@ -259,7 +259,8 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
           accelerator: Any) -> GrpoRun:
     """Set the CPU threads, add the launch to the run identity
     (:func:`paco.core.run_identity.launch_parts`), check the prompts against the params, load the
-    policy with its LoRA adapters (trained, old) and build the optimizer and the EMA.
+    policy with its LoRA adapters (trained, old; with ``train.gradient_checkpointing``, gradient
+    checkpointing on its transformer) and build the optimizer and the EMA.
 
     Raises:
         paco.core.params.ParamsError: a split without prompts, too few prompts for ``prompts_per_epoch`` or too few
@@ -299,6 +300,8 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
         for p in list(trained.values()) + list(policy.adapter_parameters(OLD_ADAPTER).values()):
             p.data = p.data.float()
     t = cfg.train
+    if t.gradient_checkpointing:  # memory for compute: the block activations are recomputed in the backward
+        policy.enable_gradient_checkpointing()
     optimizer = torch.optim.AdamW(list(trained.values()), lr=t.learning_rate, betas=t.adam_betas, eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     ema = LoraEMA(trained, t.ema.decay, warmup=t.ema.warmup, update_every=t.ema.update_every) if t.ema.enabled else None
@@ -313,9 +316,9 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
     )
     if run.main:
         n_lora = sum(p.numel() for p in run.lora_params)
-        log.info("policy %s: LoRA r=%d alpha=%g on %d modules, %d trainable parameters; %d threads on %s",
-                 policy_dir, cfg.lora.rank, cfg.lora.alpha, len(run.lora_params) // 2, n_lora, torch.get_num_threads(),
-                 device)
+        log.info("policy %s: LoRA r=%d alpha=%g on %d modules, %d trainable parameters; gradient checkpointing %s; "
+                 "%d threads on %s", policy_dir, cfg.lora.rank, cfg.lora.alpha, len(run.lora_params) // 2, n_lora,
+                 "on" if t.gradient_checkpointing else "off", torch.get_num_threads(), device)
         log.info("%d epochs x (%d prompts x %d trajectories) at %dpx, %d SDE step(s) of %d; %d gradient steps/epoch; "
                  "eval on %d prompts at %dpx every %d epochs", cfg.epochs, cfg.prompts_per_epoch, cfg.group_size,
                  cfg.train.resolution, len(cfg.rollout.sde_indices), cfg.rollout.num_steps, t.gradient_steps_per_epoch,

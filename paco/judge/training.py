@@ -16,7 +16,7 @@ Public API
   :func:`paco.judge.checkpointing.save_checkpoint`, :func:`paco.judge.checkpointing.save_adapter`,
   :func:`summarise`.
 * :func:`evaluate` -- mean loss, first-token accuracy and P(Yes) accuracy on a split.
-* :func:`make_accelerator`.
+* :func:`make_accelerator`; :func:`enable_gradient_checkpointing` (``gradient_checkpointing``).
 
 Its parts: the SFT rows, their augmentation and encoding (:mod:`paco.judge.sft_data`), LoRA on
 the language model (:mod:`paco.judge.lora`), the batch plan and loss scaling over processes
@@ -104,6 +104,23 @@ def make_accelerator(cfg: RewardTrainParams) -> Any:
                                         gradient_accumulation_steps=cfg.gradient_accumulation_steps)
 
 
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute every decoder layer's activations in the backward instead of keeping them:
+    transformers' ``activation_checkpointing_enable`` on the (PEFT-wrapped) judge with
+    ``use_reentrant=False``, so the frozen embeddings' outputs need no ``requires_grad``
+    (``enable_input_require_grads``). Layers checkpoint only in training mode with gradients
+    enabled (evaluation is unchanged); the loss and gradients are the same, for about one more
+    forward of compute. LLaMA-Factory turns it on unless ``disable_gradient_checkpointing``
+    (PaCo-Reward ``LLaMA-Factory/src/llamafactory/model/model_utils/checkpointing.py``
+    ``prepare_model_for_training``; it uses the reentrant variant, the same numbers).
+
+    Raises:
+        ValueError: the model does not support it (transformers' message).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 # --------------------------------------------------------------------------------------------
 # forward, loss, evaluation
 # --------------------------------------------------------------------------------------------
@@ -176,7 +193,8 @@ def evaluate(model: Any, processor: Any, rows: Sequence[SftRow], cfg: RewardTrai
 def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, base_dir: str | os.PathLike[str],
           identity: RunIdentity, *, accelerator: Any, checkpoints_dir: str | os.PathLike[str],
           plots_dir: str | os.PathLike[str] | None) -> RewardRun:
-    """Read the sft rows, load the judge with LoRA on its language model, build the optimizer
+    """Read the sft rows, load the judge with LoRA on its language model (and
+    :func:`enable_gradient_checkpointing` with ``cfg.gradient_checkpointing``), build the optimizer
     and the scheduler, prepare them with ``accelerator`` and register the checkpoint hooks.
 
     Raises:
@@ -216,6 +234,8 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
     answer = check_answer_tokens(processor.tokenizer)
     lm_prefix = language_model_prefix(model)
     model = apply_lora(model, cfg.lora)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     counts = parameter_counts(model)
     if main:
         log.info("LoRA r=%d alpha=%g on %s (%s): %d trainable of %d parameters (%.3f%%)", cfg.lora.rank,

@@ -115,6 +115,10 @@ class GrpoTrainParams(_Section):
     weight_decay: float = Field(1e-4, ge=0)
     gradient_steps_per_epoch: int = Field(2, ge=1, description="optimizer steps per epoch (paper 2)")
     batch_size: int = Field(8, ge=1, description="transitions per forward/backward (per process)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each transformer block's activations in the backward instead of keeping them "
+        "(diffusers' enable_gradient_checkpointing, non-reentrant): less memory, about one more forward of compute, "
+        "the same loss and gradients; the reference's enable_gradient_checkpointing (config/grpo.py, False)")
     clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip eps (paper 1e-4)")
     adv_clip_max: float = Field(5.0, gt=0)
     beta: float = Field(0.0, ge=0, description="KL weight (paper 0)")

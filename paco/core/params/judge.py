@@ -133,6 +133,10 @@ class RewardTrainParams(_Section):
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(8, ge=1, description="per process")
     gradient_accumulation_steps: int = Field(1, ge=1)
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in the backward instead of keeping them "
+        "(transformers' activation checkpointing, non-reentrant): less memory, about one more forward of compute, "
+        "the same loss and gradients; LLaMA-Factory's default (on unless disable_gradient_checkpointing)")
     max_grad_norm: float = Field(1.0, gt=0)
     first_token_weight: float = Field(0.1, ge=0.0, le=1.0, description="alpha of paper §3.1")
     loss_variant: Literal["paper", "reference"] = "paper"

@@ -308,6 +308,19 @@ class Policy(abc.ABC):
         for name, p in self._lora_params:
             p.requires_grad_(adapter == TRAINED_ADAPTER and f".{TRAINED_ADAPTER}." in name)
 
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute the transformer blocks' activations in the backward instead of keeping them:
+        diffusers' ``ModelMixin.enable_gradient_checkpointing`` (``torch.utils.checkpoint`` with
+        ``use_reentrant=False`` around every block, and only in forwards with gradients enabled, so
+        sampling is unchanged), as the reference trainers do with ``enable_gradient_checkpointing``
+        (X-GenGroup/PaCo-RL ``train_flux.py`` l.844-845). The same loss and gradients for about one
+        more forward of compute; the transformer's ``gradient_checkpointing`` flag is then true.
+
+        Raises:
+            ValueError: the transformer class does not support it (diffusers' message).
+        """
+        self.transformer.enable_gradient_checkpointing()
+
     @contextlib.contextmanager
     def using(self, adapter: str | None) -> Iterator[None]:
         """Run the block with ``adapter`` active (``None``: adapters disabled, the reference
