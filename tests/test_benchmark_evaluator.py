@@ -325,3 +325,25 @@ def test_a_failure_in_a_batch_keeps_the_answers_that_arrived(tmp_path):
         with pytest.raises(EvaluatorError, match="HTTP status 500"):
             ev.replies([(images(1), "good1"), (images(1), "bad"), (images(1), "good2")], max_tokens=4)
     assert [line["request"]["text"] for line in cache_lines(tmp_path)] == ["good1"]
+
+
+def test_compact_answers_makes_the_folder_independent_of_arrival_order(tmp_path):
+    """Two caches holding the same answers written in opposite orders have identical bytes after
+    compact_answers, every answer is still found by a new cache, and a torn last line is dropped."""
+    from paco.benchmark.answer_cache import AnswerCache, compact_answers
+
+    requests = [{"kind": "reply", "text": f"q{i}"} for i in range(5)]
+    dirs = []
+    for name, order in (("a", requests), ("b", list(reversed(requests)))):
+        cache = AnswerCache(tmp_path / name)
+        for r in order:
+            cache.put(r, {"content": r["text"].upper()})
+        dirs.append(tmp_path / name)
+    with (tmp_path / "b" / "answers-0.jsonl").open("ab") as f:
+        f.write(b'{"key": "torn')
+    assert (tmp_path / "a" / "answers-0.jsonl").read_bytes() != (tmp_path / "b" / "answers-0.jsonl").read_bytes()
+    assert compact_answers(dirs[0]) == compact_answers(dirs[1]) == 5
+    assert (tmp_path / "a" / "answers-0.jsonl").read_bytes() == (tmp_path / "b" / "answers-0.jsonl").read_bytes()
+    again = AnswerCache(tmp_path / "b")
+    from paco.benchmark.answer_cache import request_key
+    assert [again.get(request_key(r))["answer"]["content"] for r in requests] == ["Q0", "Q1", "Q2", "Q3", "Q4"]

@@ -310,7 +310,8 @@ def test_a_served_vllm_judge_needs_gpus_and_matching_processes():
         raw = committed()
         raw["judge_endpoint"]["url"] = url
         raw["judge_endpoint"]["server"].update(server)
-        for section, res in (("grpo", {"gpus": 8, "processes": 7}), ("final_samples", {"gpus": 2, "processes": 1})):
+        for section, res in (("grpo", {"gpus": 8, "processes": 7}), ("final_samples", {"gpus": 2, "processes": 1}),
+                             ("benchmark", {"gpus": 1})):  # a vLLM evaluator's GPU
             for item in raw[section].values():
                 item["resources"].update(res)
         raw["grpo"]["t2is"]["resources"].update(grpo_resources or {})
@@ -456,3 +457,61 @@ def test_several_nodes_are_for_gpu_stages():
             node.update(nodes=2, **change)
             with pytest.raises(ParamsError, match=r"\.".join(path) + ": Value error, " + message):
                 validate_params(raw)
+
+
+# --------------------------------------------------------------------------------------------
+# benchmark.<subtask> (issue 27): each a final_samples member's, its evaluators served or reached
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda b, raw: raw["benchmark"].update(nope=b), r"benchmark\.nope: no final_samples\.nope"),
+    (lambda b, raw: b.update(dataset="edits"), r"benchmark\.t2is: Value error, protocol 't2is' scores dataset "
+                                                r"'prompts', not 'edits'"),
+    (lambda b, raw: b.update(seeds_per_prompt=5), r"benchmark\.t2is\.seeds_per_prompt 5 exceeds final_samples\.t2is"
+                                                  r"\.seeds_per_prompt 4"),
+    (lambda b, raw: b["evaluators"]["base"].update(model="data/models/nobody"),
+     r"benchmark\.t2is\.evaluators\.base\.model 'data/models/nobody': 'nobody' is not a models role"),
+    (lambda b, raw: b["evaluators"]["base"].update(model=None), r"url is null \(the stage serves the evaluator\) "
+                                                                r"but no model is given"),
+    (lambda b, raw: b["evaluators"]["base"].update(model="data/grpo/t2is/lora"), r"write data/reward_merge/model"),
+    (lambda b, raw: b.update(evaluators={}), r"no evaluator"),
+    (lambda b, raw: b.update(evaluators={"Qwen-7B": b["evaluators"]["base"]}), r"evaluator names \['Qwen-7B'\]"),
+    (lambda b, raw: raw["judge_endpoint"].update(url="http://judge:8000/v1", server={**raw["judge_endpoint"]["server"],
+                                                                                  "engine": "vllm", "gpus": 2}),
+     r"benchmark\.t2is\.resources\.gpus 0: 2 needed to serve an evaluator with judge_endpoint\.server\.engine vllm"),
+])
+def test_a_benchmark_member_is_a_final_samples_members_with_usable_evaluators(change, message):
+    raw = committed()
+    assert set(raw["benchmark"]) <= set(raw["final_samples"])
+    change(raw["benchmark"]["t2is"], raw)
+    with pytest.raises(ParamsError, match=message):
+        validate_params(raw)
+
+
+def test_benchmark_evaluators_with_urls_need_no_model_nor_gpus():
+    raw = committed()
+    raw["judge_endpoint"]["server"].update(engine="vllm", gpus=1)
+    for member in raw["benchmark"].values():
+        for ev in member["evaluators"].values():
+            ev.update(model=None, url="http://gpu-node:8000/v1")
+    # grpo / final_samples then need the judge's GPU: not the point here
+    raw["judge_endpoint"]["url"] = "http://judge:8000/v1"
+    assert validate_params(raw).benchmark["t2is"].evaluators["base"].model is None
+
+
+def test_the_paper_presets_benchmark_with_the_papers_evaluators():
+    from workflow import registry
+
+    for name in ("paper.yaml", "paper_released_judge.yaml", "paper_released_loras.yaml"):
+        raw = yaml.safe_load((ROOT / "workflow/presets" / name).read_text())
+        params = validate_params(raw, source=name)
+        assert set(params.benchmark) == set(params.final_samples)
+        assert params.models.roles()["evaluator_qwen"] == "Qwen/Qwen2.5-VL-7B-Instruct"
+        assert params.models.roles()["evaluator_gemma"] == "google/gemma-3-4b-it"
+        for member in params.benchmark.values():
+            assert {e.model for e in member.evaluators.values()} == {"data/models/evaluator_qwen",
+                                                                     "data/models/evaluator_gemma"}
+        assert params.benchmark["kontext_editing"].gedit.scoring == "reply"
+        deps = registry.render_dvc(raw)["stages"]["benchmark"]["do"]["deps"]
+        assert {"data/models/evaluator_gemma", "data/models/evaluator_qwen"} <= set(deps)

@@ -288,6 +288,47 @@ STAGES += (
 )
 
 
+def _evaluator_models(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The model directories of the evaluators the benchmark members serve themselves (``url``
+    null), over all members, sorted: the members of a foreach stage share one DVC ``do:`` block
+    and evaluators are a per-member dict, so every member depends on all of them (a changed
+    evaluator reruns the benchmarks; its weights are in each member's run identity, which keeps
+    its answer cache)."""
+    out = set()
+    for item in (config.get("benchmark") or {}).values():
+        for ev in ((item or {}).get("evaluators") or {}).values() if isinstance(item, Mapping) else ():
+            if isinstance(ev, Mapping) and ev.get("url") is None and isinstance(ev.get("model"), str):
+                out.add(ev["model"])
+    return tuple(sorted(out))
+
+
+STAGES += (
+    Stage(
+        name="benchmark",
+        foreach="benchmark",
+        args=(
+            ("--subtask", "${key}"),
+            ("--samples", "data/final_samples/${key}/samples.parquet"),
+            ("--items", _ITEMS),  # prompts.parquet (t2is: layouts, criteria) or edits.parquet (gedit)
+            ("--answers", "data/benchmark/${key}/answers"),
+            ("--scores", "data/benchmark/${key}/scores.parquet"),
+            ("--table", "data/benchmark/${key}/table.md"),
+            ("--metrics", "data/benchmark/${key}/metrics.json"),
+        ),
+        deps=("data/final_samples/${key}/samples.parquet", _ITEMS),
+        config_deps=_evaluator_models,  # data/reward_merge/model, data/models/<role> of the served evaluators
+        # judge_endpoint.server: how a url-null evaluator is served (as grpo serves its judge)
+        params=("benchmark.${key}", "judge_endpoint.server"),
+        outs=("data/benchmark/${key}/scores.parquet", "data/benchmark/${key}/table.md"),
+        # the answer cache: kept across runs under the same run identity (a rerun asks nothing twice)
+        persist=("data/benchmark/${key}/answers",),
+        metrics=("data/benchmark/${key}/metrics.json",),
+        launch=("benchmark.${key}.resources", "judge_endpoint.server.gpus"),
+        subprocesses=("paco/judge/serve/__main__.py",),
+    ),
+)
+
+
 # params_check validates params.yaml and checks that dvc.yaml is the rendering for it: that
 # rendering holds every stage's code closure, so every project source file is its dependency
 _ALL_CODE = sorted(set().union(*(s.code for s in STAGES)) - set(code_closure("stages/params_check.py")))

@@ -9,7 +9,7 @@ A stage's ``code`` is its import closure (:func:`workflow.code_deps.code_closure
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +128,11 @@ class Stage:
             ``stages/__init__.py``), and the Snakefile makes it a ``localrules`` entry
             (:func:`workflow.registry.local_rules`): under a SLURM profile it runs on the submitting
             (login) host, which has internet where compute nodes may not.
+        config_deps: ``config -> paths``: data dependencies named by params values that a
+            ``${...}`` path cannot express (a foreach stage's members share one DVC ``do:`` block,
+            so a per-member dict of paths cannot be rendered): literal paths, rendered into
+            ``dvc.yaml`` for the params file at hand (as :class:`Dep`), every member depending
+            on all of them (``benchmark``: every self-served evaluator's model directory).
 
     ``code`` is derived, not declared: :func:`code_closure` of the stage module (``stages/<module>.py``
     and every project module it imports, transitively), so editing any module a stage runs reruns
@@ -153,6 +158,7 @@ class Stage:
     subprocesses: tuple[str, ...] = ()
     whole_params_file: bool = False
     downloads: bool = False
+    config_deps: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
 
     @property
     def code(self) -> tuple[str, ...]:
@@ -193,7 +199,10 @@ class Stage:
         """The data dependencies read under ``config`` (placeholders not resolved); a :class:`Dep`
         is decided on the validated params, so a key left to its default counts as its default."""
         effective = effective_params(config) if any(isinstance(d, Dep) for d in self.deps) else config
-        return tuple(_path(d) for d in self.deps if not isinstance(d, Dep) or d.active(effective))
+        deps = tuple(_path(d) for d in self.deps if not isinstance(d, Dep) or d.active(effective))
+        if self.config_deps is not None:  # literal paths the params name (shared by every member)
+            deps += tuple(p for p in self.config_deps(config) if p not in deps)
+        return deps
 
     def params_entries(self, config: Mapping[str, Any]) -> list[str]:
         """The ``params:`` of the stage in ``dvc.yaml``: the declared sections, except that a

@@ -8,4 +8,10 @@ scored through any OpenAI-compatible evaluator.
   SC / PQ / Overall and their aggregation).
 * :mod:`paco.benchmark.evaluator`: the evaluator client (yes/no probabilities, text replies,
   expected scores from log-probs) with an answer cache keyed by evaluator, question and images.
+* the ``benchmark@<subtask>`` stage's parts: :mod:`paco.benchmark.serving` (evaluators on a URL or
+  served by the stage, only on a cache miss; the answer directory under the run identity),
+  :mod:`paco.benchmark.t2is_run` and :mod:`paco.benchmark.gedit_run` (each protocol on
+  ``final_samples``' samples: questions, answers, ``scores.parquet`` rows, metrics),
+  :mod:`paco.benchmark.cases` (the cases, paired comparisons, the scores layout) and
+  :mod:`paco.benchmark.tables` (``table.md`` with the paper's rows).
 """

@@ -35,7 +35,7 @@ from typing import Any
 
 from paco.core.io import ArtifactError
 
-__all__ = ["AnswerCache", "AnswerCacheError", "request_key"]
+__all__ = ["AnswerCache", "AnswerCacheError", "compact_answers", "request_key"]
 
 log = logging.getLogger("paco.benchmark.answer_cache")
 
@@ -190,6 +190,36 @@ class AnswerCache:
                 os.close(fd)
         except OSError as exc:
             raise AnswerCacheError(f"cannot append to the answer cache file {self.path}: {exc}") from None
+
+
+def compact_answers(directory: str | Path) -> int:
+    """Rewrite every ``*.jsonl`` part of ``directory`` with its usable lines sorted by key, each key
+    once (the first read wins, as on load): the folder's bytes then depend only on which answers it
+    holds, not on the order the threads received them (a stage's persisted output, compared bit for
+    bit across runs). Each file is replaced atomically (a temporary sibling, then ``os.replace``);
+    unusable lines are dropped with the warning :class:`AnswerCache` gives. Returns the number of
+    lines kept.
+
+    Raises:
+        AnswerCacheError: a part cannot be read or rewritten.
+    """
+    seen: set[str] = set()
+    kept = 0
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        cache = AnswerCache(None)
+        cache._load(path)
+        records = {k: r for k, r in cache._answers.items() if k not in seen}
+        seen.update(records)
+        body = b"".join((json.dumps(records[k], sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n")
+                        .encode("utf-8") for k in sorted(records))
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_bytes(body)
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise AnswerCacheError(f"cannot rewrite the answer cache file {path}: {exc}") from None
+        kept += len(records)
+    return kept
 
 
 def _parse_line(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:

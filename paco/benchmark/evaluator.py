@@ -344,16 +344,45 @@ class Evaluator:
         except JudgeError as exc:
             raise EvaluatorReplyError(f"{where}: {exc}") from None
 
+    def pending(self, kind: str, requests: Iterable[Request], *, max_tokens: int | None = None,
+                text_first: bool = False, attempt: int = 0) -> int:
+        """How many distinct requests of this batch the cache cannot answer, i.e. how many the
+        matching batch method would ask the server (0: it sends nothing, so a caller may skip
+        starting a server). ``kind`` one of :data:`KINDS`; ``max_tokens`` is 1 for ``yes_no`` and
+        ``score_tokens`` (their methods' value, the default) and required for ``reply``.
+
+        Raises:
+            ValueError: an unknown kind, a missing or bad ``max_tokens``, a bad ``attempt`` or text;
+            TypeError: bad images.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if max_tokens is None and kind == "reply":
+            raise ValueError("pending('reply', ...) needs the max_tokens of the replies asked for")
+        _, jobs = self._plan(kind, list(requests), max_tokens=1 if max_tokens is None else max_tokens,
+                             text_first=text_first, attempt=attempt)
+        return len(jobs)
+
     def _answers(self, kind: str, requests: Iterable[Request], *, max_tokens: int, text_first: bool,
                  attempt: int) -> list[tuple[dict[str, Any], str]]:
         """``(answer, where)`` per request, in order: cached ones as stored, the others asked
         (each distinct request once, ``concurrency`` at a time) and cached as they arrive. On the
         first failure the requests not yet started are cancelled and it is raised."""
+        requests = list(requests)
+        keys, jobs = self._plan(kind, requests, max_tokens=max_tokens, text_first=text_first, attempt=attempt)
+        with self._lock:
+            self.hits += len(requests) - len(jobs)
+        self._run([lambda job=job: self._ask(*job) for job in jobs.values()])
+        return [(self.cache.get(k)["answer"], self._where(k not in jobs)) for k in keys]
+
+    def _plan(self, kind: str, requests: list[Request], *, max_tokens: int, text_first: bool, attempt: int
+              ) -> tuple[list[str], dict[str, tuple[dict[str, Any], list[bytes]]]]:
+        """The cache key of each request, in order, and ``{key: (request, image bytes)}`` of the
+        distinct ones the cache lacks."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
             raise ValueError(f"attempt must be an int >= 0, got {attempt!r}")
-        requests = list(requests)
         memo: dict[int, tuple[bytes, str]] = {}  # id(image) -> (bytes, sha256): a panel of many pairs encodes once
         keys, jobs = [], {}
         for images, text in requests:
@@ -373,10 +402,7 @@ class Evaluator:
             keys.append(key)
             if key not in self.cache and key not in jobs:
                 jobs[key] = (request, [data for data, _ in sent])
-        with self._lock:
-            self.hits += len(requests) - len(jobs)
-        self._run([lambda job=job: self._ask(*job) for job in jobs.values()])
-        return [(self.cache.get(k)["answer"], self._where(k not in jobs)) for k in keys]
+        return keys, jobs
 
     def _run(self, calls: list[Callable[[], None]]) -> None:
         if self.concurrency == 1 or len(calls) <= 1:

@@ -24,7 +24,8 @@ Two sources (``edits.source``):
   ``target_image`` is null. ``key`` (a string, or an integer kept exactly: ``0`` is a key),
   ``instruction`` and ``input_image`` are required; ``instruction_language`` defaults to ``en``
   and ``task_type`` to empty when a row has none (the reference uses neither beyond the language
-  filter).
+  filter). ``Intersection_exist`` (a bool, or absent: null) is kept as the column
+  ``intersection_exist`` (:data:`GEDIT_COLUMNS`; GEdit-Bench's ``-I`` subset, stage ``benchmark``).
 
 A malformed row (a missing, null or float key, a missing or blank instruction, an unreadable or
 outside image, a bad language, a jsonl line that is not UTF-8 or not JSON) raises
@@ -59,6 +60,9 @@ EDIT_COLUMNS = ("item_id", "split", "source", "subject", "task_type", "instructi
                 "input_image", "target_image", "height", "width")
 #: Its image columns (``datasets`` Image cells, :func:`paco.core.io.write_parquet`).
 EDIT_IMAGE_COLUMNS = ("input_image", "target_image")
+#: The further column of a GEdit-Bench import: the benchmark's ``Intersection_exist`` (bool, null when a
+#: row has none), which selects the ``-I`` cells of its scores (``paco.benchmark.gedit_bench.aggregate``)
+GEDIT_COLUMNS = ("intersection_exist",)
 
 
 class EditsError(ArtifactError):
@@ -244,10 +248,13 @@ def _gedit_item(where: str, row: dict[str, Any], max_pixels: int) -> dict[str, A
         raise EditsError(str(exc)) from None
     path = cell.get("path") if isinstance(cell, dict) else None
     task_type = row.get("task_type")
+    inter = row.get("Intersection_exist", row.get("intersection_exist"))
+    if inter is not None and not isinstance(inter, bool):  # a string would be truthy in the official statistics
+        raise EditsError(f"{where}: Intersection_exist must be a bool, got {inter!r:.40}")
     return {"item_id": key, "source": "gedit", "subject": "", "task_type": "" if task_type is None else str(task_type),
             "instruction": instruction.strip(), "language": language.strip(),
             "input_image": encode_image(image, path if isinstance(path, str) else None),
-            "target_image": None, "height": image.height, "width": image.width}
+            "target_image": None, "height": image.height, "width": image.width, "intersection_exist": inter}
 
 
 @dataclass
@@ -297,4 +304,5 @@ def import_gedit(path: str | Path, *, languages: list[str] | None, test_items: i
     test = set(random.Random(split_seed).sample(range(len(items)), test_items))  # the reference's split
     for i, item in enumerate(items):
         item["split"] = "test" if i in test else "train"
-    return ImportResult(pd.DataFrame(items, columns=list(EDIT_COLUMNS)), skipped, dict(sorted(by_language.items())))
+    return ImportResult(pd.DataFrame(items, columns=list(EDIT_COLUMNS + GEDIT_COLUMNS)), skipped,
+                        dict(sorted(by_language.items())))

@@ -30,11 +30,13 @@ written to their metrics.
 The modules: :mod:`~paco.core.params.base` (the strict section base, :class:`ParamsError`, error
 formatting, the YAML reader), the sections of the data stages (:mod:`~paco.core.params.data`), of
 the judge stages (:mod:`~paco.core.params.judge`), of GRPO and final sampling
-(:mod:`~paco.core.params.grpo`) and ``resources`` (:mod:`~paco.core.params.resources`), the whole
+(:mod:`~paco.core.params.grpo`), the generators' benchmarks (:mod:`~paco.core.params.benchmark`) and ``resources`` (:mod:`~paco.core.params.resources`), the whole
 file (:mod:`~paco.core.params.schema`) and the command line (:mod:`~paco.core.params.cli`).
 """
 
 from paco.core.params.base import FloatPair, IntPair, ParamsError, format_validation_errors, read_params_yaml
+from paco.core.params.benchmark import (BenchmarkEvaluatorParams, BenchmarkParams, GEditProtocolParams,
+                                       T2ISProtocolParams)
 from paco.core.params.data import (CompositesParams, EditImportParams, EditPhotosParams, EditsParams, GenerateParams,
                                    ImportParams, ModelsParams, PairsParams, PhotosParams, PromptsParams,
                                    SubfiguresParams)
@@ -49,7 +51,7 @@ from paco.core.params.resources import ResourcesParams, StageResources
 from paco.core.params.schema import Params, load_params, validate_params
 
 __all__ = [
-    "AggregationParams", "CompositesParams", "Dataset", "EditImportParams", "EditPhotosParams", "EditsParams",
+    "AggregationParams", "BenchmarkEvaluatorParams", "BenchmarkParams", "GEditProtocolParams", "T2ISProtocolParams", "CompositesParams", "Dataset", "EditImportParams", "EditPhotosParams", "EditsParams",
     "EmaParams", "FinalSamplesParams", "FloatPair", "GenerateParams", "GrpoEvalParams", "GrpoSubtaskParams",
     "GrpoTrainParams", "ImportParams", "IntPair", "JudgeEndpointParams", "JudgeServerParams", "ReasonsParams",
     "LocalTeacherParams", "LoraParams", "ModelsParams", "OpenAITeacherParams", "PairAugmentParams", "PairsParams",

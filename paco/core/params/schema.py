@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import Field, ValidationError, model_validator
 
 from paco.core.params.base import ParamsError, _format_errors, _Section, read_params_yaml
+from paco.core.params.benchmark import BenchmarkParams, check_benchmark
 from paco.core.params.data import (CompositesParams, EditsParams, ModelsParams, PairsParams, PromptsParams,
                                    SubfiguresParams)
 from paco.core.params.grpo import LORA_GRPO_PATH, LORA_ROLE_PATH, FinalSamplesParams, GrpoSubtaskParams
@@ -32,6 +33,7 @@ class Params(_Section):
     grpo: dict[str, GrpoSubtaskParams] = Field(default_factory=lambda: {"t2is": GrpoSubtaskParams()})
     final_samples: dict[str, FinalSamplesParams] = Field(
         default_factory=lambda: {"t2is": FinalSamplesParams(lora="data/grpo/t2is/lora")})
+    benchmark: dict[str, BenchmarkParams] = Field(default_factory=dict)
     resources: ResourcesParams = Field(default_factory=ResourcesParams)
 
     @model_validator(mode="after")
@@ -86,6 +88,13 @@ class Params(_Section):
                 if res.processes != res.gpus - n:
                     raise ValueError(f"{section}.{key}.resources.processes {res.processes}: {res.gpus - n} processes "
                                      f"expected: {res.gpus} GPUs minus judge_endpoint.server.gpus {n}")
+        return self
+
+    @model_validator(mode="after")
+    def _benchmark(self) -> Params:
+        """``benchmark.<k>`` against ``final_samples``, ``models`` and ``judge_endpoint.server``
+        (:func:`paco.core.params.benchmark.check_benchmark`)."""
+        check_benchmark(self)
         return self
 
 

@@ -1,0 +1,230 @@
+"""The benchmark stage's evaluators (issue 27, "Evaluator backends"): each an
+:class:`~paco.benchmark.evaluator.Evaluator` on a given URL, or on a server of its model that the
+stage starts itself, exactly as grpo serves its judge (:class:`paco.judge.local_server.LocalJudgeServer`
+with ``judge_endpoint.server``'s engine, dtype and vLLM flags), and only when a question is not in
+the answer cache: a rerun whose answers are all cached starts no server and asks nothing.
+
+* :class:`BenchEvaluator`: one evaluator (a column of the benchmark's table) with its cache.
+* :func:`ask_evaluators`: run a function for every evaluator: all at once when every server is
+  the project's own (``engine: paco``, a process of one CPU thread each), one after the other
+  when a vLLM server takes the GPUs (each stopped before the next starts).
+* :func:`prepare_answers`: the persisted answer-cache directory, kept only under the same run
+  identity (:mod:`paco.core.run_identity`: the samples, the items, every served evaluator's
+  weights, the code and the params), so changed evaluator weights never reuse an old answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from paco.benchmark.answer_cache import AnswerCache
+from paco.benchmark.evaluator import Evaluator, EvaluatorError
+from paco.core.io import ArtifactError, write_json
+
+log = logging.getLogger("paco.benchmark.serving")
+
+#: never contacted: the base URL of the cache-only client of a served evaluator (it answers a
+#: batch only when every answer is cached, :meth:`Evaluator.pending`)
+UNSERVED_URL = "http://127.0.0.1:9/v1"
+#: the marker of the answer directory's run identity
+IDENTITY_FILE = "run_identity.json"
+
+
+def prepare_answers(directory: str | os.PathLike[str], identity: str) -> int:
+    """Make ``directory`` hold only answers written under run identity ``identity`` (a digest);
+    returns how many answer files it keeps. A directory written under another identity, or whose
+    marker is unreadable, is cleared (its answers may come from other weights or inputs).
+
+    Raises:
+        OSError: the directory cannot be cleared or written.
+    """
+    path = Path(directory)
+    marker = path / IDENTITY_FILE
+    if path.exists():
+        old = None
+        try:
+            meta = json.loads(marker.read_text(encoding="utf-8"))
+            old = meta.get("identity") if isinstance(meta, dict) else None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            pass
+        if old != identity:
+            log.info("answer cache %s was written under another run identity (%s): starting over", path,
+                     "unreadable marker" if old is None else old[:12])
+            shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write_json(marker, {"identity": identity})
+    return len(list(path.glob("*.jsonl")))
+
+
+class BenchEvaluator:
+    """One benchmark evaluator with its answer cache (``answers-<name>.jsonl`` in ``cache_dir``).
+
+    Args:
+        name: the evaluator's name (its column; the cache part).
+        served_model_name: the model name asked for.
+        url: its endpoint, or ``None``: the stage serves ``model_dir`` itself with
+            ``server_kwargs`` (:class:`~paco.judge.local_server.LocalJudgeServer`'s keywords),
+            started by :meth:`start` or by the first batch that is not all cached.
+        client_kwargs: :class:`Evaluator`'s keywords (concurrency, timeout_s, retries,
+            top_logprobs, api_key).
+        cache_dir: the answer directory (``None``: in memory).
+
+    Attributes:
+        started: whether a server was started (never, on a run whose answers were all cached).
+        doubles_single_images: the stage serves it with the project's server (``engine: paco``),
+            which takes exactly two images and a text (the judge's pair question): a one-image
+            question (GEdit-Bench's PQ, T2IS-Bench's PA) is sent with its image twice, a
+            stand-in the table notes.
+
+    Raises:
+        ArtifactError: a served evaluator's ``model_dir`` holds no model (no ``config.json``).
+    """
+
+    def __init__(self, name: str, served_model_name: str, *, url: str | None, model_dir: str | Path | None,
+                 server_kwargs: Mapping[str, Any] | None, client_kwargs: Mapping[str, Any],
+                 cache_dir: str | Path | None):
+        self.name, self.served_model_name, self.url = name, served_model_name, url
+        self.model_dir = None if model_dir is None else Path(model_dir)
+        if url is None and (self.model_dir is None or not (self.model_dir / "config.json").is_file()):
+            raise ArtifactError(f"evaluator {name!r}: {self.model_dir} holds no model (no config.json): run the "
+                                "stage that writes it (models, reward_merge), or give the evaluator a url")
+        self.cache = AnswerCache(cache_dir, part=name)
+        self._client_kwargs = dict(client_kwargs)
+        self._server_kwargs = dict(server_kwargs or {})
+        self.doubles_single_images = url is None and self._server_kwargs.get("engine", "paco") == "paco"
+        self._server = None
+        self.started = False
+        self._online: Evaluator | None = None
+        self._lock = threading.Lock()
+        self._offline = Evaluator(name, url or UNSERVED_URL, served_model_name, cache=self.cache,
+                                  **self._client_kwargs)
+
+    def __repr__(self) -> str:
+        return f"BenchEvaluator({self.name!r}, {self.url or self.model_dir})"
+
+    @property
+    def asked(self) -> int:
+        """Answers fetched from the server."""
+        return self._offline.asked + (self._online.asked if self._online is not None else 0)
+
+    @property
+    def hits(self) -> int:
+        """Answers the cache gave."""
+        return self._offline.hits + (self._online.hits if self._online is not None else 0)
+
+    def describe(self) -> dict[str, Any]:
+        """``{served_model_name, url or model, served_by_stage, started}`` for the report."""
+        return {"served_model_name": self.served_model_name, "url": self.url,
+                "model": None if self.model_dir is None else str(self.model_dir),
+                "served_by_stage": self.url is None, "server_started": self.started,
+                "doubles_single_images": self.doubles_single_images}
+
+    def _adapt(self, requests: Sequence[Any]) -> list[Any]:
+        """The requests as sent: a one-image request with its image twice when
+        :attr:`doubles_single_images`."""
+        if not self.doubles_single_images:
+            return list(requests)
+        return [([*images, *images] if len(images) == 1 else images, text) for images, text in requests]
+
+    def start(self) -> None:
+        """Start this evaluator's server now (it loads while the caller goes on); nothing for a
+        URL evaluator or a started one."""
+        from paco.judge.local_server import LocalJudgeServer
+
+        with self._lock:
+            if self.url is not None or self._server is not None:
+                return
+            self._server = LocalJudgeServer(self.model_dir, self.served_model_name, **self._server_kwargs)
+            self._server.start()
+            self.started = True
+
+    def _evaluator(self, kind: str, requests: Sequence[Any], **kw: Any) -> Evaluator:
+        """The client for this batch: the cache-only one if the cache answers all of it, else one
+        on the (started if need be) server."""
+        if self.url is not None or self._offline.pending(kind, requests, **kw) == 0:
+            return self._offline
+        self.start()
+        with self._lock:
+            if self._online is None:
+                try:
+                    url = self._server.wait_ready()
+                except Exception as exc:  # JudgeError: the server did not come up
+                    raise EvaluatorError(f"evaluator {self.name!r}: {exc}") from None
+                self._online = Evaluator(self.name, url, self.served_model_name, cache=self.cache,
+                                         **self._client_kwargs)
+            return self._online
+
+    def yes_probabilities(self, requests: Sequence[Any], *, text_first: bool = False) -> list[float]:
+        """:meth:`Evaluator.yes_probabilities`."""
+        requests = self._adapt(requests)
+        return self._evaluator("yes_no", requests, text_first=text_first).yes_probabilities(
+            requests, text_first=text_first)
+
+    def score_token_logprobs_many(self, requests: Sequence[Any], *, text_first: bool = False
+                                  ) -> list[dict[str, float]]:
+        """:meth:`Evaluator.score_token_logprobs_many`."""
+        requests = self._adapt(requests)
+        return self._evaluator("score_tokens", requests, text_first=text_first).score_token_logprobs_many(
+            requests, text_first=text_first)
+
+    def replies(self, requests: Sequence[Any], max_tokens: int, *, text_first: bool = False,
+                attempt: int = 0) -> list[str]:
+        """:meth:`Evaluator.replies`."""
+        requests = self._adapt(requests)
+        ev = self._evaluator("reply", requests, max_tokens=max_tokens, text_first=text_first, attempt=attempt)
+        return ev.replies(requests, max_tokens, text_first=text_first, attempt=attempt)
+
+    def pending(self, kind: str, requests: Sequence[Any], **kw: Any) -> int:
+        """:meth:`Evaluator.pending` against this evaluator's cache."""
+        return self._offline.pending(kind, self._adapt(requests), **kw)
+
+    def close(self) -> None:
+        """Stop the server (if one runs) and close the clients (again: nothing)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.__exit__(None, None, None)
+        for ev in (self._offline, self._online):
+            if ev is not None:
+                ev.close()
+
+
+def ask_evaluators(evaluators: Sequence[BenchEvaluator], work: Callable[[BenchEvaluator], Any], *,
+                   together: bool, first: Callable[[BenchEvaluator], bool] | None = None) -> list[Any]:
+    """``work(ev)`` of each evaluator, in order; each evaluator is closed (its server stopped)
+    after its work.
+
+    Args:
+        together: run them at once, one thread each, every server started first (the project's
+            CPU servers); else one after the other (vLLM servers sharing the job's GPUs).
+        first: ``first(ev)`` true: start ``ev``'s server before any work (it loads meanwhile);
+            only with ``together``; a server not started so is started by its first uncached batch.
+
+    Raises:
+        the first evaluator's error (all evaluators are closed first).
+    """
+    if not together:
+        out = []
+        for ev in evaluators:
+            try:
+                out.append(work(ev))
+            finally:
+                ev.close()
+        return out
+    try:
+        for ev in evaluators:
+            if first is not None and first(ev):
+                ev.start()
+        with ThreadPoolExecutor(max_workers=max(1, len(evaluators))) as pool:
+            futures = [pool.submit(work, ev) for ev in evaluators]
+            return [f.result() for f in futures]
+    finally:
+        for ev in evaluators:
+            ev.close()
