@@ -176,6 +176,8 @@ def _judge_params(tmp_path: Path, processes: int, judge_gpus: int = 1) -> Path:
         for item in raw[section].values():
             item["resources"] = {**item.get("resources", {}), "gpus": gpus,
                                  "processes": processes if section == "grpo" else gpus - judge_gpus}
+    for item in raw["benchmark"].values():  # the benchmark serves its evaluators with vLLM too
+        item["resources"] = {**item.get("resources", {}), "gpus": max(judge_gpus, 1)}
     path = tmp_path / f"params-{processes}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

@@ -28,7 +28,8 @@ def _raw(**server) -> dict:
     raw = read_params_yaml(ROOT / "params.yaml")
     raw["judge_endpoint"]["server"].update({**PAPER_SERVER, **server})
     n = raw["judge_endpoint"]["server"]["gpus"]
-    for section, res in (("grpo", {"gpus": 8, "processes": 8 - n}), ("final_samples", {"gpus": n + 1, "processes": 1})):
+    for section, res in (("grpo", {"gpus": 8, "processes": 8 - n}), ("final_samples", {"gpus": n + 1, "processes": 1}),
+                         ("benchmark", {"gpus": max(n, 1)})):  # the benchmark serves its evaluators with vLLM too
         for item in raw[section].values():
             item["resources"].update(res)
     return raw
