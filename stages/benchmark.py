@@ -11,7 +11,7 @@ Params ``benchmark.<subtask>`` (:class:`paco.core.params.BenchmarkParams`): the 
 :mod:`paco.benchmark.t2is_run`; ``gedit``: :mod:`paco.benchmark.gedit_run`), the cases, the
 evaluators (a URL each, or ``url: null``: served by this stage with ``judge_endpoint.server``'s
 settings, :mod:`paco.benchmark.serving`). Every answer goes to the persisted answer cache
-``--answers``, kept only under the same run identity (:mod:`paco.core.run_identity`): a rerun asks
+``--answers``, kept only under the same run identity (:func:`run_identity`): a rerun asks
 nothing it has asked, and starts no server when every answer is cached. Writes ``scores.parquet``
 (one row per question asked), ``metrics.json`` (per variant and evaluator the protocol's figures,
 LoRA minus base with paired tests over cases, skipped and unparsed counts) and ``table.md`` (the
@@ -25,6 +25,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from paco.core.io import ArtifactError, atomic_write_bytes, read_parquet, write_parquet
 from paco.core.params import Params
@@ -73,6 +74,7 @@ def _score(args: argparse.Namespace, params: Params, cfg, evaluators: list) -> t
     """(scores, metrics, report, table text) of the member's protocol."""
     from paco.benchmark import gedit_run, t2is_run
     from paco.benchmark.cases import SAMPLE_COLUMNS
+    from paco.benchmark.gedit_bench import OFFICIAL_TASK_TYPES
     from paco.benchmark.tables import gedit_table, stand_in_notes, t2is_table
 
     samples = read_parquet(args.samples, required=SAMPLE_COLUMNS)
@@ -100,10 +102,37 @@ def _score(args: argparse.Namespace, params: Params, cfg, evaluators: list) -> t
              len(plan.units) // 2, len(plan.units), len(plan.units))
     answers = gedit_run.ask_gedit(plan, evaluators, cfg.gedit, together=together, chunk=chunk)
     scores, metrics, report = gedit_run.score_gedit(plan, answers, cfg.gedit)
-    if not report["official_task_types"]:
+    if report["task_types"] != list(OFFICIAL_TASK_TYPES):
         extra.append(f"task types averaged: those present, {report['task_types']} (not GEdit-Bench's 11)")
+    for cell, missing in report["partial_cells"].items():
+        extra.append(f"{cell.upper().replace('_I', '-I')}: a mean over fewer than the {len(report['task_types'])} "
+                     f"task types (no scored item of {', '.join(missing)} for some variant or evaluator: see "
+                     "metrics.json missing_task_types; GEdit-Bench's own mean would be NaN)")
     notes = stand_in_notes("gedit", cfg, described, report["not_scored"], extra)
     return scores, metrics, report, gedit_table(args.subtask, metrics, described, notes), 2 * len(plan.units)
+
+
+def run_identity(params: Params, subtask: str, params_path: str | Path, *, args: argparse.Namespace | None = None,
+                 root: str | Path = ".") -> Any:
+    """The member's run identity (:func:`paco.core.run_identity.stage_identity`: its deps, code and
+    params), extended by ``vllm_tensor_parallel_size`` when ``judge_endpoint.server.engine`` is
+    ``vllm`` and an evaluator is served by the stage: ``judge_endpoint.server.gpus`` is a launch key
+    of the params, yet it becomes the served evaluator's vLLM tensor-parallel size, which changes
+    its log-probs, so a change must clear the answer cache (:func:`~paco.benchmark.serving.prepare_answers`).
+
+    Raises:
+        OSError: a dependency cannot be read.
+    """
+    from paco.core.run_identity import stage_identity
+    from workflow.registry import member
+
+    identity = stage_identity(member(f"benchmark@{subtask}", params.model_dump(mode="json", by_alias=True)),
+                              params_path, root=root, params=params, args=args)
+    server = params.judge_endpoint.server
+    cfg = subtask_params(params, "benchmark", subtask)
+    if server.engine == "vllm" and any(ev.url is None for ev in cfg.evaluators.values()):
+        identity = identity.extended(vllm_tensor_parallel_size=max(server.gpus, 1))
+    return identity
 
 
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
@@ -111,12 +140,8 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     from paco.benchmark.evaluator import EvaluatorError
     from paco.benchmark.cases import SCORE_SCHEMA
     from paco.benchmark.serving import prepare_answers
-    from paco.core.run_identity import stage_identity
-    from workflow.registry import member
-
     cfg = subtask_params(params, "benchmark", args.subtask)
-    identity = stage_identity(member(f"benchmark@{args.subtask}", params.model_dump(mode="json", by_alias=True)),
-                              args.params, params=params, args=args)
+    identity = run_identity(params, args.subtask, args.params, args=args)
     kept = prepare_answers(args.answers, identity.digest)
     evaluators = _evaluators(params, cfg, args.answers, args.subtask)
     t0 = time.perf_counter()

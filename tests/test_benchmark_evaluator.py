@@ -347,3 +347,73 @@ def test_compact_answers_makes_the_folder_independent_of_arrival_order(tmp_path)
     again = AnswerCache(tmp_path / "b")
     from paco.benchmark.answer_cache import request_key
     assert [again.get(request_key(r))["answer"]["content"] for r in requests] == ["Q0", "Q1", "Q2", "Q3", "Q4"]
+
+
+def test_compact_answers_leaves_no_temporary_file_when_a_rewrite_fails(tmp_path, monkeypatch):
+    """compact_answers writes through paco.core.io.atomic_write_bytes: a failed replace raises the
+    named error, keeps the old part as it was and leaves no ``.*.tmp`` sibling for DVC to hash."""
+    import os
+
+    from paco.benchmark.answer_cache import AnswerCacheError, compact_answers
+
+    cache = AnswerCache(tmp_path, part="x")
+    for k in (3, 1, 2):
+        cache.put({"q": k}, {"a": k})
+    before = (tmp_path / "answers-x.jsonl").read_bytes()
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(AnswerCacheError, match="cannot rewrite the answer cache file"):
+        compact_answers(tmp_path)
+    assert (tmp_path / "answers-x.jsonl").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["answers-x.jsonl"]
+    monkeypatch.undo()
+    assert compact_answers(tmp_path) == 3
+    assert [json.loads(line)["request"]["q"] for line in (tmp_path / "answers-x.jsonl").read_text().splitlines()] \
+        == [r["request"]["q"] for r in sorted(AnswerCache(tmp_path)._answers.values(), key=lambda r: r["key"])]
+
+
+def test_prepare_answers_removes_the_temporary_files_of_a_killed_write(tmp_path):
+    """A kill during compact_answers or the marker's write leaves ``.<name>.<random>.tmp``:
+    prepare_answers removes them (same identity: the answers are kept)."""
+    from paco.benchmark.serving import prepare_answers
+
+    assert prepare_answers(tmp_path / "a", "id1") == 0
+    (tmp_path / "a/answers-x.jsonl").write_text("{}\n")
+    (tmp_path / "a/.answers-x.jsonl.k3j9.tmp").write_text("half")
+    (tmp_path / "a/.run_identity.json.z1.tmp").write_text("{")
+    (tmp_path / "a/.keep").write_text("not a temporary file")
+    assert prepare_answers(tmp_path / "a", "id1") == 1
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".keep", "answers-x.jsonl", "run_identity.json"]
+
+
+def test_evaluators_asked_together_stop_at_the_first_failure(tmp_path):
+    """ask_evaluators(together=True): an evaluator answering 500 is raised at once; the slow one is
+    cancelled at its next batch instead of asking all its questions."""
+    import time
+
+    from paco.benchmark.cases import ask_in_chunks
+    from paco.benchmark.serving import BenchEvaluator, ask_evaluators
+
+    def ok(body, n):
+        return 200, {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                     "choices": [{"index": 0, "finish_reason": "stop",
+                                  "message": {"role": "assistant", "content": "fine"}}]}, 0.2
+
+    reqs = [([png_bytes(Image.new("RGB", (8, 8), (i, 0, 0)))], f"question {i}") for i in range(30)]
+    client = {"concurrency": 1, "timeout_s": 10, "retries": 0, "top_logprobs": 5, "api_key": None}
+    with FakeOpenAIServer(lambda body, n: (500, {"error": {"message": "boom"}}, 0.3)) as broken, \
+            FakeOpenAIServer(ok) as slow:
+        evs = [BenchEvaluator(name, "m", url=url, model_dir=None, server_kwargs=None, client_kwargs=client,
+                              cache_dir=None) for name, url in (("slow", slow.base_url), ("broken", broken.base_url))]
+        t0 = time.perf_counter()
+        with pytest.raises(EvaluatorError, match="evaluator 'broken'.*500"):
+            ask_evaluators(evs, lambda ev: ask_in_chunks(lambda part: ev.replies(part, 16), reqs, desc=ev.name,
+                                                         chunk=1), together=True)
+        elapsed = time.perf_counter() - t0
+        time.sleep(0.5)  # the slow evaluator's question in flight ends; no other is sent
+        assert elapsed < 2.0 and len(slow.requests) <= 4  # not 30 questions x 0.2 s
+        with pytest.raises(EvaluatorError, match="cancelled"):
+            evs[0].replies(reqs[:1], 16)

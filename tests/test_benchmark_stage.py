@@ -6,6 +6,9 @@ OpenAI server (tests/fake_openai.py) or, in the slow test, the tiny judge served
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
 import math
 import shutil
@@ -88,22 +91,63 @@ def _run(root: Path, subtask: str, monkeypatch) -> int:
                        "--table", str(out / "table.md"), "--metrics", str(out / "metrics.json")])
 
 
+#: SC score list per instruction before the bump (``edit e``: no score, ever); PQ [9, PQ_BASE]
+SC_BASE = {"a": 6, "b": 4, "c": 5, "d": 3}
+PQ_BASE = 5
+MODEL_BUMP = {"qwen": 0, "gemma": 1}
+#: GEdit items of _workdir: (task type, language, intersection_exist)
+ITEMS = {"a": ("color_alter", "en", True), "b": ("color_alter", "en", False), "c": ("style_change", "en", True),
+         "d": ("subject-add", "cn", True)}
+
+
+def _bump(pixels: bytes, model: str) -> int:
+    """The fake evaluator's rule: 0..3 from a hash of the edited image's RGB pixel bytes, plus 1 for
+    the ``gemma`` model: answers depend on the image asked about and on the model asking."""
+    return hashlib.sha256(pixels).digest()[0] % 4 + MODEL_BUMP[model]
+
+
 def _reply(body: dict, n: int) -> tuple:
-    """SC: a score list per instruction (``edit e``: no score, ever); PQ: [9, 8]."""
-    text = body["messages"][0]["content"][-1]["text"]
-    sc = {"a": "[8, 6]", "b": "[4, 9]", "c": "[10, 7]", "d": "[3, 3]"}
+    """SC: ``[9, SC_BASE + bump]`` per instruction (``edit e``: no score, ever); PQ:
+    ``[9, PQ_BASE + bump]``; the bump of the last image sent (the edited one)."""
+    content = body["messages"][0]["content"]
+    text = content[-1]["text"]
+    url = [c for c in content if c["type"] == "image_url"][-1]["image_url"]["url"]
+    edited = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+    bump = _bump(edited.tobytes(), body["model"])
     if "Editing instruction:" in text:
         key = text.rsplit("Editing instruction: edit ", 1)[1].strip()
-        content = "I would rather not say." if key == "e" else f'{{"score": {sc[key]}, "reasoning": "ok"}}'
+        content = ("I would rather not say." if key == "e"
+                   else f'{{"score": [9, {SC_BASE[key] + bump}], "reasoning": "ok"}}')
     else:
-        content = '{"score" : [9, 8], "reasoning": "natural"}'
+        content = f'{{"score" : [9, {PQ_BASE + bump}], "reasoning": "natural"}}'
     return 200, {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
                  "choices": [{"index": 0, "finish_reason": "stop",
                               "message": {"role": "assistant", "content": content}}]}, 0
 
 
+def _gedit_by_hand(root: Path, variant: str, model: str) -> tuple[dict, dict]:
+    """The figures of the rule of :func:`_reply`, computed from the stored images: the edited image
+    resized to the input's size (RGB, bicubic: test_gedit_score.py:34), SC = min(list), PQ =
+    min(list), Overall = sqrt(SC * PQ) per item; per cell the mean per task type, then the plain
+    mean over the task types scored (calculate_statistics.py). Returns (cells, per-case overall)."""
+    per_item = {}
+    for key in ITEMS:
+        b = _bump_of(root, key, variant, model)
+        sc, pq = min(9, SC_BASE[key] + b), min(9, PQ_BASE + b)
+        per_item[key] = (sc, pq, math.sqrt(sc * pq))
+    cells = {}
+    for cell, lang, only_i in (("en", "en", False), ("en_i", "en", True), ("cn", "cn", False), ("cn_i", "cn", True)):
+        keys = [k for k, (_, la, inter) in ITEMS.items() if la == lang and (inter or not only_i)]
+        types = sorted({ITEMS[k][0] for k in keys})
+        means = [[np.mean([per_item[k][i] for k in keys if ITEMS[k][0] == t]) for i in range(3)] for t in types]
+        cells[cell] = tuple(float(np.mean([m[i] for m in means])) for i in range(3)) + (types,)
+    return cells, {f"{k}-s0": v[2] for k, v in per_item.items()}
+
+
 @pytest.mark.parametrize("engine", ["paco", "vllm"])  # evaluators asked at once / one after the other
 def test_gedit_scores_are_the_official_formulas_and_a_rerun_asks_nothing(tmp_path, monkeypatch, engine):
+    from paco.benchmark.gedit_bench import OFFICIAL_TASK_TYPES
+
     with FakeOpenAIServer(_reply) as fake:
         evaluators = {name: {"model": None, "url": fake.base_url, "served_model_name": name, "api_key_env": None,
                              "stand_in_for": None} for name in ("qwen", "gemma")}
@@ -125,29 +169,54 @@ def test_gedit_scores_are_the_official_formulas_and_a_rerun_asks_nothing(tmp_pat
     report = json.loads((out / "report.json").read_text())
     assert all(ev["asked"] == 0 and ev["cache_hits"] > 0 for ev in report["evaluators"].values())
     m = json.loads((out / "metrics.json").read_text())
-    # by hand: SC = min(list), PQ = min([9, 8]) = 8, Overall = sqrt(SC * PQ); per task type the mean,
-    # then the plain mean over the task types scored (subject-remove: item e, unparsed, drops out)
-    o = {k: math.sqrt(sc * 8) for k, sc in {"a": 6, "b": 4, "c": 7, "d": 3}.items()}
-    expected = {"en": (6.0, 8.0, ((o["a"] + o["b"]) / 2 + o["c"]) / 2), "en_i": (6.5, 8.0, (o["a"] + o["c"]) / 2),
-                "cn": (3.0, 8.0, o["d"]), "cn_i": (3.0, 8.0, o["d"])}
+    by_hand, overall = {}, {}
     for variant in ("base", "lora"):
         for name in ("qwen", "gemma"):
+            by_hand[variant, name], overall[variant, name] = _gedit_by_hand(root, variant, name)
             got = m["scores"][variant][name]
-            for cell, (sc, pq, overall) in expected.items():
+            for cell, (sc, pq, o, types) in by_hand[variant, name].items():
                 assert got[cell]["sc"] == pytest.approx(sc, abs=1e-12) and got[cell]["pq"] == pytest.approx(pq)
-                assert got[cell]["overall"] == pytest.approx(overall, abs=1e-12), (variant, name, cell)
+                assert got[cell]["overall"] == pytest.approx(o, abs=1e-12), (variant, name, cell)
+                # subject-remove (item e, unparsed) and the 7 types without an item are left out, listed
+                assert got[cell]["missing_task_types"] == [t for t in OFFICIAL_TASK_TYPES if t not in types]
             assert got["en"]["unparsed"] == 1 and m["unparsed"][variant][name] == 1
-    assert m["lora_minus_base"]["qwen"]["overall"] == {"n": 4, "mean_diff": 0.0, "t_p": None, "wilcoxon_p": None}
+    # the rule tells the variants and the evaluators apart: swapping either would fail
+    assert by_hand["base", "qwen"] != by_hand["lora", "qwen"] and by_hand["base", "qwen"] != by_hand["base", "gemma"]
+    assert m["scores"]["base"]["qwen"] != m["scores"]["lora"]["qwen"]
+    assert m["scores"]["base"]["qwen"] != m["scores"]["base"]["gemma"]
+    for name in ("qwen", "gemma"):
+        diffs = [overall["lora", name][c] - overall["base", name][c] for c in overall["base", name]]
+        got = m["lora_minus_base"][name]["overall"]
+        assert got["n"] == 4 and got["mean_diff"] == pytest.approx(float(np.mean(diffs)), abs=1e-12)
+    assert report["official_task_types"] is False and set(report["partial_cells"]) == {"en", "en_i", "cn", "cn_i"}
     scores = pd.read_parquet(out / "scores.parquet")
     assert list(scores.columns) == SCORE_COLUMNS and len(scores) == 2 * (5 * 2 * 2 + 2 * 2)
     again = scores[scores["attempt"] == 1]
     assert set(again["case_id"]) == {"e-s0"} and not again[again["protocol"] == "sc"]["parsed"].any()
-    sc_a = scores[(scores["case_id"] == "a-s0") & (scores["protocol"] == "sc")].iloc[0]
-    assert list(sc_a["score_list"]) == [8.0, 6.0] and sc_a["score"] == 6.0 and sc_a["task_type"] == "color_alter"
-    assert "Editing instruction: edit a" in sc_a["question"] and sc_a["reply"].startswith('{"score": [8, 6]')
+    sc_a = scores[(scores["case_id"] == "a-s0") & (scores["protocol"] == "sc") & (scores["variant"] == "base")
+                  & (scores["evaluator"] == "qwen")].iloc[0]
+    a_sc = min(9, SC_BASE["a"] + _bump_of(root, "a", "base", "qwen"))
+    assert list(sc_a["score_list"]) == [9.0, float(a_sc)] and sc_a["score"] == a_sc
+    assert sc_a["task_type"] == "color_alter"
+    assert "Editing instruction: edit a" in sc_a["question"] and sc_a["reply"].startswith(f'{{"score": [9, {a_sc}]')
     table = (out / "table.md").read_text()
     assert "| FLUX.1-Kontext + PaCo (paper) |  |  |  |  | 7.279 | 7.036 | 6.636 |" in table
-    assert "| LoRA (this run) | `gemma` | 6.000 | 8.000 |" in table
+    g = by_hand["lora", "gemma"]["en"]
+    assert f"| LoRA (this run) | `gemma` | {g[0]:.3f} | {g[1]:.3f} | {g[2]:.3f} |" in table
+    assert "EN: a mean over fewer than the 11 task types" in table and "subject-remove" in table
+    assert "answers of URL evaluators (`qwen`, `gemma`) are trusted by name" in table
+
+
+def _bump_of(root: Path, key: str, variant: str, model: str) -> int:
+    """:func:`_bump` of item ``key``'s seed-0 ``variant`` image as sent (resized to the input's size)."""
+    def png(v) -> Image.Image:
+        return Image.open(io.BytesIO(v["bytes"] if isinstance(v, dict) else v))
+
+    samples = pd.read_parquet(root / "data/final_samples/kontext_editing/samples.parquet")
+    row = samples[(samples["prompt_id"] == key) & (samples["seed"] == 0) & (samples["variant"] == variant)].iloc[0]
+    source = png(pd.read_parquet(root / "data/edits/edits.parquet").set_index("item_id").loc[key, "input_image"])
+    edited = png(row["image"]).convert("RGB").resize(source.size, Image.BICUBIC)
+    return _bump(edited.tobytes(), model)
 
 
 def test_an_evaluator_answering_500_is_a_named_error_with_nothing_written(tmp_path, monkeypatch, caplog):
@@ -196,6 +265,39 @@ def test_changed_evaluator_weights_change_the_run_identity_and_clear_the_cache(t
     (model / "model.safetensors").write_bytes(b"weights 2")
     assert identity() != first
     assert prepare_answers(answers, identity()) == 0 and not (answers / "answers-served.jsonl").exists()
+
+
+def test_the_vllm_tensor_parallel_size_of_a_served_evaluator_is_in_the_run_identity(tmp_path):
+    """judge_endpoint.server.gpus is a launch key, yet it is the tensor-parallel size of the vLLM
+    server of a served evaluator (its log-probs change): in the identity then, and only then."""
+    from paco.core.params import load_params
+    from stages.benchmark import run_identity
+
+    served = {"model": "data/models/judge_base", "url": None, "served_model_name": "m", "api_key_env": None,
+              "stand_in_for": None}
+    remote = {"model": None, "url": "http://127.0.0.1:9/v1", "served_model_name": "r", "api_key_env": None,
+              "stand_in_for": None}
+    root = _workdir(tmp_path, {"t2is": _member("t2is", {"served": served}, resources={"gpus": 2}),
+                               "kontext_editing": _member("gedit", {"remote": remote})})
+    model = root / "data/models/judge_base"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+
+    def identity(subtask: str, engine: str, gpus: int):
+        raw["judge_endpoint"].update(url="http://judge:8000/v1", server={**raw["judge_endpoint"]["server"],
+                                                                         "engine": engine, "gpus": gpus})
+        (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        return run_identity(load_params(root / "params.yaml"), subtask, root / "params.yaml", root=root)
+
+    one, two = identity("t2is", "vllm", 1), identity("t2is", "vllm", 2)
+    assert one.digest != two.digest and one.changed(two.parts) == ["extra:vllm_tensor_parallel_size"]
+    assert one.parts["extra:vllm_tensor_parallel_size"] == "1" and two.parts["extra:vllm_tensor_parallel_size"] == "2"
+    assert identity("t2is", "vllm", 0).parts["extra:vllm_tensor_parallel_size"] == "1"  # max(gpus, 1), as served
+    # the project's server, or only URL evaluators: gpus changes nothing asked
+    assert identity("t2is", "paco", 1).digest == identity("t2is", "paco", 2).digest
+    assert "extra:vllm_tensor_parallel_size" not in identity("t2is", "paco", 2).parts
+    assert identity("kontext_editing", "vllm", 1).digest == identity("kontext_editing", "vllm", 2).digest
 
 
 def _vc_by_hand(scores: pd.DataFrame) -> float:

@@ -437,3 +437,49 @@ def test_expected_score_errors():
             G.expected_score(bad)
     with pytest.raises(G.GEditError):
         G.expected_score({"1": -0.1}, after_one={"0": 0.3})
+
+
+def _plan_and_answers(types, unparsed=()):
+    """A GEdit plan of one EN item per task type (both variants) and scripted results."""
+    from paco.benchmark.gedit_run import GEditPlan
+
+    plan = GEditPlan(intersection=False, task_types=list(G.OFFICIAL_TASK_TYPES))
+    results = []
+    for n, t in enumerate(types):
+        for v in ("base", "lora"):
+            plan.units.append({"sample_id": f"{t}-{v}", "case_id": t, "variant": v, "task_type": t, "language": "en",
+                               "intersection": None, "requests": {"sc": ([], "sc?"), "pq": ([], "pq?")}})
+            ok = t not in unparsed
+            sc, pq = float(n % 9 + 1), float(9 - (v == "lora") * (n % 3))
+            results.append({"sc": sc if ok else None, "pq": pq if ok else None,
+                            "overall": math.sqrt(sc * pq) if ok else None, "parsed": ok, "rounds": 1, "guessed": [],
+                            "sc_scores": [sc] if ok else None, "pq_scores": [pq] if ok else None, "replies": {}})
+    return plan, {"ev": results}
+
+
+def test_score_gedit_flags_cells_averaged_over_fewer_than_the_official_task_types():
+    from types import SimpleNamespace
+
+    from paco.benchmark.gedit_run import score_gedit
+
+    cfg = SimpleNamespace(scoring="reply")
+    plan, answers = _plan_and_answers(G.OFFICIAL_TASK_TYPES)
+    _, metrics, report = score_gedit(plan, answers, cfg)
+    assert report["official_task_types"] is True and report["partial_cells"] == {}
+    assert metrics["scores"]["base"]["ev"]["en"]["missing_task_types"] == []
+    assert metrics["scores"]["base"]["ev"]["en_i"]["missing_task_types"] is None  # not computed
+    # one task type with no scored item: the EN cell is a mean over 10, flagged in metrics and report
+    lost = G.OFFICIAL_TASK_TYPES[3]
+    plan, answers = _plan_and_answers(G.OFFICIAL_TASK_TYPES, unparsed={lost})
+    _, metrics, report = score_gedit(plan, answers, cfg)
+    assert report["official_task_types"] is False and report["partial_cells"] == {"en": [lost]}
+    for v in ("base", "lora"):
+        en = metrics["scores"][v]["ev"]["en"]
+        assert en["missing_task_types"] == [lost]
+        kept = [n for n, t in enumerate(G.OFFICIAL_TASK_TYPES) if t != lost]
+        assert en["sc"] == pytest.approx(float(np.mean([n % 9 + 1 for n in kept])), abs=1e-12)
+    # only some task types present, all scored: still flagged (the official mean would be NaN)
+    plan, answers = _plan_and_answers(G.OFFICIAL_TASK_TYPES[:2])
+    _, metrics, report = score_gedit(plan, answers, cfg)
+    assert report["official_task_types"] is False
+    assert report["partial_cells"] == {"en": sorted(G.OFFICIAL_TASK_TYPES[2:])}

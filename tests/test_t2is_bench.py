@@ -480,3 +480,48 @@ def test_cases_from_the_shipped_prompt_file():
     assert from_raw["criteria"] == first["criteria"] and from_raw["n_panels"] == 4
     with pytest.raises(T2ISBenchError):
         case_from_prompt_row({"prompt_id": "y", "criteria": {}})
+
+
+def test_lora_minus_base_of_a_dimension_is_over_the_cases_that_have_it():
+    """score_t2is's paired tests: a dimension's mean_diff is lora.dim - base.dim over the cases with
+    a criterion of it (a case lacking it is not a 0 in the test), while VC pairs every case."""
+    import hashlib
+
+    import numpy as np
+    import pandas as pd
+
+    from paco.benchmark.t2is_run import plan_t2is, score_t2is
+    from paco.core.io import encode_image
+
+    crits = {"p1": {"Identity": {"Face": "same face"}, "Style": {"Light": "same light", "Tone": "same tone"}},
+             "p2": {"Style": {"Light": "same light"}, "Logic": {"Order": "in order"}},
+             "p3": {"Style": {"Light": "same light"}}}
+    prompts = pd.DataFrame([{"prompt_id": p, "rows": 1, "cols": 3, "criteria": json.dumps(c)} for p, c in crits.items()])
+    grid = encode_image(Image.new("RGB", (96, 32), (10, 20, 30)))
+    samples = pd.DataFrame([{"sample_id": f"{p}-{v}", "prompt_id": p, "seed": 0, "variant": v, "image": grid}
+                            for p in crits for v in ("base", "lora")])
+    plan = plan_t2is(samples, prompts, seeds_per_prompt=None, max_prompts=None, prompt_alignment="none")
+
+    def rule(q):  # a P(Yes) in [0, 1) from the question's identity
+        key = f"{q['case_id']}|{q['variant']}|{q['dimension']}|{q['criterion']}|{q['panels']}"
+        return hashlib.sha256(key.encode()).digest()[0] / 256
+
+    answers = {"ev": [rule(q) for q in plan.questions]}
+    _, metrics, _ = score_t2is(plan, answers, prompt_alignment="none")
+    # by hand: per criterion the mean over the 3 pairs, per dimension the mean over its criteria
+    dim = {}
+    for q in plan.questions:
+        dim.setdefault((q["case_id"], q["variant"], q["dimension"]), {}).setdefault(q["criterion"], []).append(rule(q))
+    value = {k: float(np.mean([np.mean(v) for v in crit.values()])) for k, crit in dim.items()}
+    cases = sorted({q["case_id"] for q in plan.questions})
+    pairs = metrics["lora_minus_base"]["ev"]
+    for d, n in (("Identity", 1), ("Style", 3), ("Logic", 1)):
+        diffs = [value[c, "lora", d] - value[c, "base", d] for c in cases if (c, "base", d) in value]
+        assert pairs[d.lower()]["n"] == n == len(diffs)
+        assert pairs[d.lower()]["mean_diff"] == pytest.approx(float(np.mean(diffs)), abs=1e-12)
+    # VC per case: the mean of the three dimensions, a lacking one counted 0 (official per-case score)
+    vc = {(c, v): sum(value.get((c, v, d), 0.0) for d in ("Identity", "Style", "Logic")) / 3
+          for c in cases for v in ("base", "lora")}
+    assert pairs["vc"]["n"] == 3
+    assert pairs["vc"]["mean_diff"] == pytest.approx(float(np.mean([vc[c, "lora"] - vc[c, "base"] for c in cases])),
+                                                     abs=1e-12)

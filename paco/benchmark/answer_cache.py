@@ -33,7 +33,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from paco.core.io import ArtifactError
+from paco.core.io import ArtifactError, atomic_write_bytes
 
 __all__ = ["AnswerCache", "AnswerCacheError", "compact_answers", "request_key"]
 
@@ -196,7 +196,8 @@ def compact_answers(directory: str | Path) -> int:
     """Rewrite every ``*.jsonl`` part of ``directory`` with its usable lines sorted by key, each key
     once (the first read wins, as on load): the folder's bytes then depend only on which answers it
     holds, not on the order the threads received them (a stage's persisted output, compared bit for
-    bit across runs). Each file is replaced atomically (a temporary sibling, then ``os.replace``);
+    bit across runs). Each file is replaced atomically (:func:`paco.core.io.atomic_write_bytes`: a
+    temporary ``.<name>.*.tmp`` sibling, removed on failure, then ``os.replace``);
     unusable lines are dropped with the warning :class:`AnswerCache` gives. Returns the number of
     lines kept.
 
@@ -212,10 +213,8 @@ def compact_answers(directory: str | Path) -> int:
         seen.update(records)
         body = b"".join((json.dumps(records[k], sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n")
                         .encode("utf-8") for k in sorted(records))
-        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            tmp.write_bytes(body)
-            os.replace(tmp, path)
+            atomic_write_bytes(path, body)
         except OSError as exc:
             raise AnswerCacheError(f"cannot rewrite the answer cache file {path}: {exc}") from None
         kept += len(records)

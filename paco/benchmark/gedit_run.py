@@ -181,16 +181,34 @@ def _rows(plan: GEditPlan, name: str, results: list[dict[str, Any]]) -> list[dic
     return rows
 
 
+def _partial_cells(scores: dict[str, dict[str, dict[str, Any]]]) -> dict[str, list[str]]:
+    """``{cell: task types missing (union over variants and evaluators)}`` of the cells that have a
+    scored item but miss a task type averaged: there the figure is a mean over fewer task types
+    than GEdit-Bench's (the official ``np.mean``, calculate_statistics.py:84-117, would be NaN). A
+    cell with no scored item is not listed (its figures are null, and ``not_scored`` says why)."""
+    out: dict[str, set[str]] = {}
+    for per_eval in scores.values():
+        for cells in per_eval.values():
+            for c, v in cells.items():
+                if v["items"] > 0 and v["missing_task_types"]:
+                    out.setdefault(c, set()).update(v["missing_task_types"])
+    return {c: sorted(out[c]) for c in CELLS if c in out}
+
+
 def score_gedit(plan: GEditPlan, answers: dict[str, list[dict[str, Any]]], cfg: Any
                 ) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
     """``(scores.parquet, metrics, report)`` of the answers.
 
     metrics: ``protocol``, ``scoring``, ``cases``, ``scores`` ({variant: {evaluator: {en, en_i, cn,
-    cn_i: {sc, pq, overall, items, unparsed}}}}: null figures where a cell has no scored item or,
-    for ``-I``, no ``intersection_exist``), ``lora_minus_base`` ({evaluator: {overall, sc, pq:
+    cn_i: {sc, pq, overall, items, unparsed, missing_task_types}}}}: null figures where a cell has no
+    scored item or, for ``-I``, no ``intersection_exist``; ``missing_task_types``: the task types
+    averaged with no scored item in the cell, left out of its mean, null for a cell not computed),
+    ``lora_minus_base`` ({evaluator: {overall, sc, pq:
     paired test over the cases both variants scored}}), ``unparsed`` and ``guessed``
-    ({variant: {evaluator: count}}). report: the task types averaged, the per-task-type figures,
-    the task types missing per cell, and why a cell is not scored.
+    ({variant: {evaluator: count}}). report: the task types averaged, ``official_task_types``
+    (true only when the types averaged are GEdit-Bench's 11 and no scored cell misses one),
+    ``partial_cells`` (:func:`_partial_cells`), the per-task-type figures, the task types missing
+    per cell, and why a cell is not scored.
     """
     rows, scores, pairs, unparsed, guessed, detail = [], {}, {}, {}, {}, {}
     for name, results in answers.items():
@@ -209,7 +227,8 @@ def score_gedit(plan: GEditPlan, answers: dict[str, list[dict[str, Any]]], cfg: 
             scores.setdefault(variant, {})[name] = {
                 c: {k: finite_or_none(cells[c][k]) if c in cells else None for k in ("sc", "pq", "overall")}
                 | {"items": cells[c]["items"] if c in cells else 0, "unparsed": cells[c]["unparsed"] if c in cells
-                   else 0} for c in CELLS}
+                   else 0, "missing_task_types": list(cells[c]["missing_task_types"]) if c in cells else None}
+                for c in CELLS}
             detail.setdefault(variant, {})[name] = {
                 c: {"task_types": cells[c]["task_types"], "missing_task_types": cells[c]["missing_task_types"]}
                 for c in CELLS if c in cells} | {"other_languages": cells["other_languages"]}
@@ -228,7 +247,8 @@ def score_gedit(plan: GEditPlan, answers: dict[str, list[dict[str, Any]]], cfg: 
     for lang in ("en", "cn"):
         if lang not in languages:
             not_scored[lang] = f"no edit item in language {lang!r}"
-    official = plan.task_types == list(OFFICIAL_TASK_TYPES)
-    report = {"task_types": plan.task_types, "official_task_types": official, "detail": detail,
-              "not_scored": not_scored}
+    partial = _partial_cells(scores)
+    official = plan.task_types == list(OFFICIAL_TASK_TYPES) and not partial
+    report = {"task_types": plan.task_types, "official_task_types": official, "partial_cells": partial,
+              "detail": detail, "not_scored": not_scored}
     return score_frame(rows), metrics, report

@@ -21,7 +21,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,9 @@ IDENTITY_FILE = "run_identity.json"
 def prepare_answers(directory: str | os.PathLike[str], identity: str) -> int:
     """Make ``directory`` hold only answers written under run identity ``identity`` (a digest);
     returns how many answer files it keeps. A directory written under another identity, or whose
-    marker is unreadable, is cleared (its answers may come from other weights or inputs).
+    marker is unreadable, is cleared (its answers may come from other weights or inputs). The
+    temporary ``.*.tmp`` files an interrupted atomic write left (:func:`~paco.benchmark.answer_cache.compact_answers`,
+    the marker) are removed, so DVC never hashes them.
 
     Raises:
         OSError: the directory cannot be cleared or written.
@@ -60,6 +62,9 @@ def prepare_answers(directory: str | os.PathLike[str], identity: str) -> int:
                      "unreadable marker" if old is None else old[:12])
             shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
+    for stray in path.glob(".*.tmp"):  # a kill during compact_answers or the marker's write left it
+        log.info("answer cache %s: removing the temporary file %s of an interrupted write", path, stray.name)
+        stray.unlink(missing_ok=True)
     write_json(marker, {"identity": identity})
     return len(list(path.glob("*.jsonl")))
 
@@ -102,6 +107,7 @@ class BenchEvaluator:
         self.doubles_single_images = url is None and self._server_kwargs.get("engine", "paco") == "paco"
         self._server = None
         self.started = False
+        self._cancelled = threading.Event()
         self._online: Evaluator | None = None
         self._lock = threading.Lock()
         self._offline = Evaluator(name, url or UNSERVED_URL, served_model_name, cache=self.cache,
@@ -146,9 +152,20 @@ class BenchEvaluator:
             self._server.start()
             self.started = True
 
+    def cancel(self) -> None:
+        """Refuse every later batch (:class:`EvaluatorError`): another evaluator failed, so this
+        one's work is stopped at its next batch instead of asking all its questions."""
+        self._cancelled.set()
+
     def _evaluator(self, kind: str, requests: Sequence[Any], **kw: Any) -> Evaluator:
         """The client for this batch: the cache-only one if the cache answers all of it, else one
-        on the (started if need be) server."""
+        on the (started if need be) server.
+
+        Raises:
+            EvaluatorError: :meth:`cancel` was called, or the server did not come up.
+        """
+        if self._cancelled.is_set():
+            raise EvaluatorError(f"evaluator {self.name!r}: cancelled (another evaluator failed)")
         if self.url is not None or self._offline.pending(kind, requests, **kw) == 0:
             return self._offline
         self.start()
@@ -208,7 +225,10 @@ def ask_evaluators(evaluators: Sequence[BenchEvaluator], work: Callable[[BenchEv
             only with ``together``; a server not started so is started by its first uncached batch.
 
     Raises:
-        the first evaluator's error (all evaluators are closed first).
+        the first error (one after the other: of the evaluator that failed; together: of the
+        first evaluator to fail, raised as soon as it fails: the others are cancelled
+        (:meth:`BenchEvaluator.cancel`, their work stops at its next batch), their pending work
+        is dropped and every evaluator is closed, without waiting for their questions in flight).
     """
     if not together:
         out = []
@@ -222,9 +242,17 @@ def ask_evaluators(evaluators: Sequence[BenchEvaluator], work: Callable[[BenchEv
         for ev in evaluators:
             if first is not None and first(ev):
                 ev.start()
-        with ThreadPoolExecutor(max_workers=max(1, len(evaluators))) as pool:
-            futures = [pool.submit(work, ev) for ev in evaluators]
-            return [f.result() for f in futures]
+        pool = ThreadPoolExecutor(max_workers=max(1, len(evaluators)))
+        futures = [pool.submit(work, ev) for ev in evaluators]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        if failed:
+            for ev in evaluators:
+                ev.cancel()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise failed[0].exception()
+        pool.shutdown(wait=True)
+        return [f.result() for f in futures]
     finally:
         for ev in evaluators:
             ev.close()

@@ -134,8 +134,10 @@ def score_t2is(plan: T2ISPlan, answers: dict[str, list[float]], *, prompt_alignm
     ``scores`` ({variant: {evaluator: identity, style, logic, vc, entity, attribute, relation,
     pa, aesthetics, avg}}, :func:`~paco.benchmark.t2is_bench.t2is_metrics`; ``None`` where not
     measured), ``lora_minus_base`` ({evaluator: {vc, identity, style, logic: paired test over
-    cases}}, per-case figures of :func:`~paco.benchmark.t2is_bench.aggregate_vc`, a dimension a
-    case lacks counting 0 as in the official per-case score), ``skipped_cases`` (no criteria or no
+    cases}}, per-case figures of :func:`~paco.benchmark.t2is_bench.aggregate_vc`: a dimension
+    is compared over the cases that have a scored criterion of it, a case lacking it is left out
+    of that test (its ``vc`` still counts the lacking dimension as 0, as the official per-case
+    score does, test_prompt_consistency.py:178-185)), ``skipped_cases`` (no criteria or no
     image), ``unparsed`` (0: a yes/no answer always scores). report: per variant and evaluator the
     extra dimensions, skipped cases and panels, cases without alignment, and what is not scored.
     """
@@ -150,7 +152,9 @@ def score_t2is(plan: T2ISPlan, answers: dict[str, list[float]], *, prompt_alignm
             pa = (aggregate_pa(plan.cases[variant], _records(plan, values, variant, "pa"))
                   if prompt_alignment == "yes_no" else None)
             scores.setdefault(variant, {})[name] = t2is_metrics(vc, pa, aesthetics=None)
-            per_case[variant] = {cid: {"vc": c["overall"], **{k.lower(): v for k, v in c["dimensions"].items()}}
+            # a dimension the case lacks is None here (the paired test skips the case), 0 only in its vc
+            per_case[variant] = {cid: {"vc": c["overall"], **{k.lower(): v if c["criteria"].get(k) else None
+                                                              for k, v in c["dimensions"].items()}}
                                  for cid, c in vc["cases"].items()}
             detail.setdefault(variant, {})[name] = {
                 "extra_dimensions": vc["extra_dimensions"], "skipped_cases": vc["skipped"],

@@ -94,8 +94,9 @@ def gedit_table(subtask: str, metrics: Mapping[str, Any], evaluators: Mapping[st
 def stand_in_notes(protocol: str, cfg: Any, evaluators: Mapping[str, Mapping[str, Any]],
                    not_scored: Mapping[str, str], extra: Sequence[str] = ()) -> list[str]:
     """The notes of ``table.md``: what in this run stands in for the paper's protocol (evaluators
-    standing in for the paper's, the yes/no prompt alignment, the expected score), what is not
-    scored and why, and ``extra``."""
+    standing in for the paper's, the yes/no prompt alignment, the expected score), that the
+    answers of URL evaluators are cached by URL and served model name only, what is not scored
+    and why, and ``extra``."""
     notes = []
     stand = [f"`{n}` for {e['stand_in_for']}" for n, e in evaluators.items() if e.get("stand_in_for")]
     if stand:
@@ -112,5 +113,9 @@ def stand_in_notes(protocol: str, cfg: Any, evaluators: Mapping[str, Mapping[str
         seeds = "every seed" if cfg.seeds_per_prompt is None else f"the first {cfg.seeds_per_prompt} seed(s)"
         items = "every prompt / item" if cfg.max_prompts is None else f"the first {cfg.max_prompts} prompts / items"
         notes.append(f"cases: {seeds} of {items} of final_samples' split (not the whole benchmark)")
+    remote = [f"`{n}`" for n, e in evaluators.items() if e.get("url")]
+    if remote:
+        notes.append(f"answers of URL evaluators ({', '.join(remote)}) are trusted by name: a changed remote model is "
+                     f"not detected; clear data/benchmark/<k>/answers")
     notes += [f"not scored, {k}: {v}" for k, v in not_scored.items()]
     return notes + list(extra)
