@@ -166,6 +166,21 @@ class _Exec(Exception):
     """Raised by the fake ``os.execv``: the launcher would have replaced itself here."""
 
 
+def _capture_exec(monkeypatch) -> dict:
+    """Replace ``os.execv`` / ``os.execve`` with fakes that record ``path``, ``argv`` and the
+    environment the launcher would have replaced itself with, then raise :class:`_Exec`; returns
+    the (filled on each call) record."""
+    captured: dict = {}
+
+    def fake_exec(path, argv, env=None):
+        captured.update(path=path, argv=list(argv), env=dict(env if env is not None else os.environ))
+        raise _Exec
+
+    monkeypatch.setattr(os, "execve", fake_exec)
+    monkeypatch.setattr(os, "execv", fake_exec)
+    return captured
+
+
 def _judge_params(tmp_path: Path, processes: int, judge_gpus: int = 1) -> Path:
     """The embedded params with a served vLLM judge on ``judge_gpus`` GPUs of an 8-GPU grpo job."""
     from paco.core.params.base import read_params_yaml
@@ -188,13 +203,7 @@ def test_gpu_split_on_a_fake_8_gpu_allocation(tmp_path, monkeypatch, capsys):
     out of order: the judge gets the first (4), the 7 trainer processes the rest in order, and
     ``accelerate launch`` inherits both. A process count that does not match is exit code 2 naming
     ``resources.processes`` (in the params check, and at launch); so is no allocation at all."""
-    captured = {}
-
-    def fake_execv(path, argv):
-        captured.update(argv=list(argv), env=dict(os.environ))
-        raise _Exec
-
-    monkeypatch.setattr(os, "execv", fake_execv)
+    captured = _capture_exec(monkeypatch)
     for var in ("PACO_JUDGE_DEVICES", "CUDA_VISIBLE_DEVICES", "SLURM_NNODES", "PACO_NODE_TASK"):  # restored after
         monkeypatch.setenv(var, "x")
         monkeypatch.delenv(var)
@@ -270,14 +279,7 @@ def test_slurm_fan_out(tmp_path, monkeypatch):
                        ("srun", "exit 99")):
         (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
         (tmp_path / name).chmod(0o755)
-    captured = {}
-
-    def fake_exec(path, argv, env=None):
-        captured.update(path=path, argv=list(argv), env=dict(env if env is not None else os.environ))
-        raise _Exec
-
-    monkeypatch.setattr(os, "execve", fake_exec)
-    monkeypatch.setattr(os, "execv", fake_exec)
+    captured = _capture_exec(monkeypatch)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     for var in ("PACO_NODE_TASK", "SLURM_NODEID", "PACO_MAIN_PROCESS_IP", "PACO_MAIN_PROCESS_PORT", "PACO_SRUN_ARGS",
                 "PACO_NUM_MACHINES"):
@@ -346,13 +348,7 @@ def test_a_member_takes_its_own_gpus_of_a_plain_8_gpu_machine(tmp_path, monkeypa
     first 2 (a message says so): GPU 0 for the judge, GPU 1 for its process. Without
     ``--resources`` all 8 would be split (7 left for 1 process: exit 2); an allocation of fewer
     GPUs than the member's is exit code 2 naming its key."""
-    captured = {}
-
-    def fake_execv(path, argv):
-        captured.update(argv=list(argv), env=dict(os.environ))
-        raise _Exec
-
-    monkeypatch.setattr(os, "execv", fake_execv)
+    captured = _capture_exec(monkeypatch)
     _clean_launch_env(monkeypatch)
     _fake_tools(tmp_path, nvidia_smi="printf '0\\n1\\n2\\n3\\n4\\n5\\n6\\n7\\n'")
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
@@ -409,14 +405,7 @@ def test_several_nodes_under_the_slurm_plugins_stripped_environment(tmp_path, mo
                 '  "show hostnames n[01-02]") printf "n01\\nn02\\n";;\n'
                 '  "show hostnames n01") printf "n01\\n";;\n'
                 '  *) exit 1;;\nesac', srun="exit 99")
-    captured = {}
-
-    def fake_exec(path, argv, env=None):
-        captured.update(path=path, argv=list(argv), env=dict(env if env is not None else os.environ))
-        raise _Exec
-
-    monkeypatch.setattr(os, "execve", fake_exec)
-    monkeypatch.setattr(os, "execv", fake_exec)
+    captured = _capture_exec(monkeypatch)
     _clean_launch_env(monkeypatch)
     # the allocation's variables as sbatch sets them, then what the jobstep keeps of them
     allocation = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[01-02]",
@@ -502,6 +491,8 @@ url = JudgeEndpoint(acc, server=Server() if acc.is_local_main_process else None)
 with open(os.path.join(os.environ["PROBE_DIR"], f"probe-{acc.process_index}.json"), "w") as f:
     json.dump({"index": acc.process_index, "processes": acc.num_processes, "url": url,
                "gathered": gather_object([acc.process_index * 10])}, f)
+acc.wait_for_everyone()  # no rank leaves while another still talks to rank 0's store
+acc.end_training()  # destroy the process group before the interpreter exits
 '''
 
 
