@@ -49,14 +49,10 @@ def _evaluators(params: Params, cfg, answers: Path, subtask: str) -> list:
     import os
 
     from paco.benchmark.serving import BenchEvaluator
+    from paco.judge.local_server import server_options
 
     s = params.judge_endpoint.server
-    server = {"engine": s.engine, "max_batch_size": s.max_batch_size, "max_wait_ms": s.max_wait_ms,
-              "threads": s.threads, "startup_timeout_s": s.startup_timeout_s, "device": s.device, "dtype": s.dtype,
-              "max_logprobs": max(s.max_logprobs, cfg.top_logprobs), "batching": s.batching,
-              "max_model_len": s.max_model_len, "gpu_memory_utilization": s.gpu_memory_utilization,
-              "tensor_parallel_size": max(s.gpus, 1), "python": s.python, "extra_args": s.extra_args,
-              "request_timeout_s": cfg.timeout_s}
+    server = server_options(s, request_timeout_s=cfg.timeout_s, max_logprobs=max(s.max_logprobs, cfg.top_logprobs))
     out = []
     for name, ev in cfg.evaluators.items():
         key = os.environ.get(ev.api_key_env) if ev.api_key_env else None

@@ -15,10 +15,8 @@ the answer cache: a rerun whose answers are all cached starts no server and asks
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -27,45 +25,28 @@ from typing import Any
 
 from paco.benchmark.answer_cache import AnswerCache
 from paco.benchmark.evaluator import Evaluator, EvaluatorError
-from paco.core.io import ArtifactError, write_json
+from paco.core.io import ArtifactError
 
 log = logging.getLogger("paco.benchmark.serving")
 
 #: never contacted: the base URL of the cache-only client of a served evaluator (it answers a
 #: batch only when every answer is cached, :meth:`Evaluator.pending`)
 UNSERVED_URL = "http://127.0.0.1:9/v1"
-#: the marker of the answer directory's run identity
-IDENTITY_FILE = "run_identity.json"
 
 
 def prepare_answers(directory: str | os.PathLike[str], identity: str) -> int:
     """Make ``directory`` hold only answers written under run identity ``identity`` (a digest);
-    returns how many answer files it keeps. A directory written under another identity, or whose
-    marker is unreadable, is cleared (its answers may come from other weights or inputs). The
-    temporary ``.*.tmp`` files an interrupted atomic write left (:func:`~paco.benchmark.answer_cache.compact_answers`,
-    the marker) are removed, so DVC never hashes them.
+    returns how many answer files it keeps (:func:`paco.core.checkpoints.keep_under_identity`: a
+    directory of another identity, or with an unreadable marker, is cleared, since its answers may
+    come from other weights or inputs; the ``.*.tmp`` files an interrupted
+    :func:`~paco.benchmark.answer_cache.compact_answers` left are removed).
 
     Raises:
         OSError: the directory cannot be cleared or written.
     """
-    path = Path(directory)
-    marker = path / IDENTITY_FILE
-    if path.exists():
-        old = None
-        try:
-            meta = json.loads(marker.read_text(encoding="utf-8"))
-            old = meta.get("identity") if isinstance(meta, dict) else None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            pass
-        if old != identity:
-            log.info("answer cache %s was written under another run identity (%s): starting over", path,
-                     "unreadable marker" if old is None else old[:12])
-            shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for stray in path.glob(".*.tmp"):  # a kill during compact_answers or the marker's write left it
-        log.info("answer cache %s: removing the temporary file %s of an interrupted write", path, stray.name)
-        stray.unlink(missing_ok=True)
-    write_json(marker, {"identity": identity})
+    from paco.core.checkpoints import keep_under_identity
+
+    path = keep_under_identity(directory, identity, what="answer cache", log=log)
     return len(list(path.glob("*.jsonl")))
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from paco.core.io import write_json
 from paco.core.run_identity import RunIdentity
 
 STATE_FILE = "trainer_state.json"
@@ -142,6 +143,47 @@ def find_resumable(checkpoints_dir: str | os.PathLike[str], prefix: str, identit
             for p in [*d.glob(f".tmp-{prefix}*"), *d.glob(f".{prefix}*.old-*")]:
                 shutil.rmtree(p, ignore_errors=True)
     return replace(result, skipped_corrupt=tuple(skipped))
+
+
+#: the marker a persisted directory keeps of the run identity it was written under
+IDENTITY_MARKER = "run_identity.json"
+
+
+def keep_under_identity(directory: str | os.PathLike[str], identity: str, *, what: str,
+                        log: logging.Logger | None = None) -> Path:
+    """Make ``directory`` (a persisted, resumable output: ``reasons``' progress chunks, a
+    benchmark's answer cache) hold only what was written under run identity ``identity`` (a
+    digest), and return it.
+
+    A directory whose marker (:data:`IDENTITY_MARKER`) names another identity, or is missing or
+    unreadable, is cleared whole (a warning for an unreadable one): its content may come from
+    other params, inputs, weights or code. Temporary ``.*.tmp`` files an interrupted atomic write
+    left are removed, so DVC never hashes them. The marker is then (re)written.
+
+    Raises:
+        OSError: the directory cannot be cleared or written.
+    """
+    path = Path(directory)
+    marker = path / IDENTITY_MARKER
+    log = log or logging.getLogger(__name__)
+    if path.exists():
+        old = None
+        if marker.is_file():
+            try:
+                meta = json.loads(marker.read_text(encoding="utf-8"))
+                old = meta.get("identity") if isinstance(meta, dict) else None
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                log.warning("%s is unreadable (%s): discarding the persisted %s", marker, exc, what)
+        if old != identity:
+            if old is not None:
+                log.info("%s %s was written under another run identity (%s): starting over", what, path, old[:12])
+            shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for stray in path.glob(".*.tmp"):  # a kill during an atomic write left it
+        log.info("%s %s: removing the temporary file %s of an interrupted write", what, path, stray.name)
+        stray.unlink(missing_ok=True)
+    write_json(marker, {"identity": identity})
+    return path
 
 
 def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike[str],

@@ -82,7 +82,7 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
             ``server.gpus`` > 0 but no ``PACO_JUDGE_DEVICES`` (the stage was not started by
             ``paco.core.launch --serves_judge``).
     """
-    from paco.judge.local_server import LocalJudgeServer
+    from paco.judge.local_server import LocalJudgeServer, server_options
 
     cfg = params.judge_endpoint
     if cfg.url:
@@ -101,14 +101,8 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
     if node > 0:
         log_name = f"{Path(log_name).stem}.node{node}{Path(log_name).suffix}"
     if accelerator.is_local_main_process:  # one server per node
-        server = LocalJudgeServer(judge_dir, cfg.served_model_name, engine=s.engine, max_batch_size=s.max_batch_size,
-                                  max_wait_ms=s.max_wait_ms, threads=s.threads, startup_timeout_s=s.startup_timeout_s,
-                                  device=s.device, dtype=s.dtype, max_logprobs=s.max_logprobs,
-                                  batching=s.batching, max_model_len=s.max_model_len,
-                                  visible_devices=devices, gpu_memory_utilization=s.gpu_memory_utilization,
-                                  tensor_parallel_size=max(s.gpus, 1), python=s.python, extra_args=s.extra_args,
-                                  # a request the client has given up on is not computed later
-                                  request_timeout_s=cfg.timeout_s,
+        server = LocalJudgeServer(judge_dir, cfg.served_model_name, visible_devices=devices,
+                                  **server_options(s, request_timeout_s=cfg.timeout_s),
                                   log_path=log_dir / log_name if log_dir else None)
     try:
         if server is not None:

@@ -101,6 +101,21 @@ def server_env(base_env: Mapping[str, str], visible_devices: str | None = None) 
     return env
 
 
+def server_options(server: Any, *, request_timeout_s: float, max_logprobs: int | None = None) -> dict[str, Any]:
+    """:class:`LocalJudgeServer`'s keywords from a ``judge_endpoint.server`` params block (its
+    ``engine``, batching, threads, device, dtype and vLLM settings; ``gpus`` becomes vLLM's
+    ``tensor_parallel_size``, at least 1), with ``request_timeout_s`` (the client's timeout: a request
+    it has given up on is not computed later) and ``max_logprobs`` (default the block's own; the
+    benchmark raises it to its ``top_logprobs``). ``visible_devices`` and ``log_path`` are the
+    caller's."""
+    return {"engine": server.engine, "max_batch_size": server.max_batch_size, "max_wait_ms": server.max_wait_ms,
+            "threads": server.threads, "startup_timeout_s": server.startup_timeout_s, "device": server.device,
+            "dtype": server.dtype, "max_logprobs": server.max_logprobs if max_logprobs is None else max_logprobs,
+            "batching": server.batching, "max_model_len": server.max_model_len,
+            "gpu_memory_utilization": server.gpu_memory_utilization, "tensor_parallel_size": max(server.gpus, 1),
+            "python": server.python, "extra_args": server.extra_args, "request_timeout_s": request_timeout_s}
+
+
 def _parent_death_signal() -> Any:
     """A ``preexec_fn`` that makes the child get SIGTERM when the thread that started it exits
     (Linux ``PR_SET_PDEATHSIG``), or ``None`` elsewhere. libc is loaded here, in the parent: the

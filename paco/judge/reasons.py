@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from paco.core.io import ArtifactError, decode_image, read_parquet, write_json, write_parquet
+from paco.core.io import ArtifactError, decode_image, read_parquet, write_parquet
 from paco.core.templates import judge_instruction
 from paco.judge.teachers.base import PairItem, Teacher
 
@@ -43,28 +42,13 @@ log = logging.getLogger("paco.judge.reasons")
 
 def prepare_progress(progress_dir: Path, identity: str) -> int:
     """Make ``progress_dir`` hold only chunks written under run identity ``identity`` (a digest);
-    returns how many exist.
-
-    A directory written under another identity (other params, inputs or code) is cleared, and so
-    is one whose ``run_identity.json`` cannot be read (a warning names it): its chunks cannot be
-    trusted to belong to this run.
+    returns how many exist (:func:`paco.core.checkpoints.keep_under_identity`: a directory of
+    another identity, or with an unreadable marker, is cleared).
     """
-    marker = progress_dir / "run_identity.json"
-    if progress_dir.exists():
-        old = None
-        if marker.is_file():
-            try:
-                meta = json.loads(marker.read_text(encoding="utf-8"))
-                old = meta.get("identity") if isinstance(meta, dict) else None
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                log.warning("%s is unreadable (%s): discarding the persisted progress", marker, exc)
-        if old != identity:
-            if old is not None:
-                log.info("reasons progress was written under another run identity: starting over")
-            shutil.rmtree(progress_dir)
-    progress_dir.mkdir(parents=True, exist_ok=True)
-    write_json(marker, {"identity": identity})
-    return len(list(progress_dir.glob("chunk-*.parquet")))
+    from paco.core.checkpoints import keep_under_identity
+
+    path = keep_under_identity(progress_dir, identity, what="reasons progress", log=log)
+    return len(list(path.glob("chunk-*.parquet")))
 
 
 def join_pairs(
