@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: the floor of each part of ``paco``: a module may import its own part and the floors below
 FLOORS = {"paco.core": 0, "paco.data": 1, "paco.models": 1, "paco.judge": 2, "paco.grpo": 3,
-          "paco.compare": 4, "paco.results": 4, "paco.benchmark": 4}
+          "paco.compare": 4, "paco.results": 4, "paco.benchmark": 4, "paco.pretrain": 4}
 #: limits for the project's code (paco, stages, workflow, benchmarks)
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 100

@@ -374,7 +374,10 @@ QWEN_IMAGE_SCHEDULER_CONFIG = dict(
 )
 
 
-def _build_qwen_image_edit(out_dir: Path, seed: int) -> None:
+def _build_qwen_image_edit(out_dir: Path, seed: int, *, transformer: dict | None = None) -> None:
+    """The Qwen-Image-Edit pipeline tree drawn from ``seed``. ``transformer``: keys overriding the
+    tiny ``QwenImageTransformer2DModel`` arguments (a grown build, :mod:`paco.pretrain.qwen_image`);
+    ``joint_attention_dim`` follows the text encoder. Without it the tiny pipeline's bytes are unchanged."""
     import json
 
     from diffusers import (
@@ -386,18 +389,21 @@ def _build_qwen_image_edit(out_dir: Path, seed: int) -> None:
 
     # the text encoder is the tiny Qwen2.5-VL (as the real one is Qwen2.5-VL-7B), same seed
     text_encoder, processor = _qwen2_5_vl(seed)
+    transformer_config = dict(
+        patch_size=2,
+        in_channels=64,  # 16 latent channels x 2x2 packing
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_encoder.config.text_config.hidden_size,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+    )
+    transformer_config.update(transformer or {})
+    transformer_config["joint_attention_dim"] = text_encoder.config.text_config.hidden_size
     with _seeded(seed + 1):
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=64,  # 16 latent channels x 2x2 packing
-            out_channels=16,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=text_encoder.config.text_config.hidden_size,
-            guidance_embeds=False,
-            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
-        )
+        transformer = QwenImageTransformer2DModel(**transformer_config)
         vae = AutoencoderKLQwenImage(
             base_dim=8,
             z_dim=16,

@@ -1,0 +1,2 @@
+"""Pretraining of the embedded default's tiny models on the shipped photographs (issue 30):
+``python -m paco.pretrain`` (:mod:`paco.pretrain.__main__`)."""
