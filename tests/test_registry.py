@@ -467,3 +467,20 @@ def test_job_resources_ask_slurm_for_gpus_per_node_and_nodes():
     profile = yaml.safe_load((ROOT / "workflow" / "profiles" / "sbatch" / "config.yaml").read_text())
     assert "--cpus-per-task={threads}" in profile["cluster-generic-submit-cmd"]
     assert registry.job_resources({"gpus": 2})["gpus_per_node"] == 2 and "nodes" not in registry.job_resources({})
+
+
+def test_local_model_directories_are_dependencies_of_models():
+    """A role (or processor_from entry) naming a local directory, such as the shipped pretrained
+    tiny models, is a dependency of ``models`` (a changed weight file reruns it); hub ids and
+    ``tiny:`` builds are not paths."""
+    from workflow.registry import load_config, render_dvc
+
+    config = load_config()
+    config["models"] = {**config["models"], "clip": "data/raw/pretrained/clip", "judge_base": "./my/judge",
+                        "policy_t2is": "black-forest-labs/FLUX.1-dev", "pickscore": "tiny:clip",
+                        "processor_from": {"clip": "/abs/processor_dir"}}
+    def data_deps(cfg):  # the stage's code files are deps too
+        return sorted(d for d in render_dvc(cfg)["stages"]["models"]["deps"] if not d.endswith(".py"))
+
+    assert data_deps(config) == ["./my/judge", "/abs/processor_dir", "data/raw/pretrained/clip"]
+    assert data_deps(load_config()) == ["data/raw/pretrained/clip"]  # the embedded default's pretrained CLIP

@@ -42,6 +42,24 @@ def _d(stage: str, name: str) -> str:
 _JUDGE = "${judge_endpoint.model}"
 
 
+def _local_model_dirs(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The local directories that ``models`` roles (and ``models.processor_from`` entries) name,
+    sorted: the shipped pretrained tiny models of the embedded default
+    (``data/raw/pretrained/<name>``, :mod:`paco.pretrain`) or a user's own checkpoint. The
+    ``models`` stage copies them, so a changed file reruns it. A spec is a path when it is not
+    ``tiny:<name>`` and starts with ``/``, ``.`` or ``~`` or has more than one ``/``
+    (:func:`paco.models.fetch.materialise`'s rule; a hub id is ``org/name``)."""
+    models = config.get("models") or {}
+    specs = [v for k, v in models.items() if k not in _MODELS_SETTINGS]
+    specs += list((models.get("processor_from") or {}).values())
+    return tuple(sorted({s for s in specs if isinstance(s, str) and not s.startswith("tiny:")
+                         and (s.startswith(("/", ".", "~")) or s.count("/") > 1)}))
+
+
+#: keys of the ``models`` section that are settings, not roles (paco.core.params.models)
+_MODELS_SETTINGS = frozenset({"seed", "revision", "allow_patterns", "processor_from"})
+
+
 STAGES: tuple[Stage, ...] = (
     Stage(
         name="models",
@@ -50,6 +68,7 @@ STAGES: tuple[Stage, ...] = (
         out_dirs=("data/models/${role}",),  # one per model role (Stage.active_out_dirs)
         metrics=(_d("models", "metrics.json"),),
         downloads=True,  # hub snapshots: the only stage with hub access, a Snakemake localrule
+        config_deps=_local_model_dirs,  # data/raw/pretrained/<name>: the shipped pretrained tiny models
     ),
     Stage(
         name="prompts",

@@ -20,13 +20,14 @@ from paco.core.params.base import ROLE_NAME, FloatPair, IntPair, _Section
 class ModelsParams(_Section):
     """Where each model role comes from.
 
-    A value is ``tiny:<name>`` (build a tiny random-init model offline, embedded default), a hub
-    id such as ``Qwen/Qwen2.5-VL-7B-Instruct`` (``huggingface_hub.snapshot_download``), or a
-    local directory (copied). The roles every run needs are ``judge_base`` (Qwen2.5-VL),
+    A value is ``tiny:<name>`` (build a tiny random-init model offline), a hub id such as
+    ``Qwen/Qwen2.5-VL-7B-Instruct`` (``huggingface_hub.snapshot_download``), or a local directory
+    (copied; e.g. ``data/raw/pretrained/clip``, the tiny CLIP that ``python -m paco.pretrain``
+    pretrains, which the embedded default's ``params.yaml`` names for ``clip`` and ``pickscore``). The roles every run needs are ``judge_base`` (Qwen2.5-VL),
     ``policy_t2is`` (FLUX.1), ``clip`` (CLIP dual encoder, the ``clip_t`` reward) and
     ``pickscore`` (the CLIP dual encoder of the ``pickscore`` reward: ``yuvalkirstain/PickScore_v1``
-    at paper scale, reference ``pickscore_scorer.py`` l.8-9; ``tiny:clip`` in the embedded default,
-    built from the same seed as ``clip`` and so byte-identical to it); any further key names
+    at paper scale, reference ``pickscore_scorer.py`` l.8-9; the same directory as ``clip`` in the
+    embedded default, so byte-identical to it); any further key names
     another role (e.g. ``policy_kontext: black-forest-labs/FLUX.1-Kontext-dev``), built into
     ``data/models/<role>`` and usable as a subtask's ``policy``.
 
