@@ -34,6 +34,8 @@ from pathlib import Path
 
 import yaml
 
+from paco.pretrain.record import RECORD_FILE
+
 #: recipe section -> (module, the directories its ``build`` writes)
 BUILDERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "flux": ("paco.pretrain.flux", ("flux", "flux_kontext")),
@@ -101,12 +103,12 @@ def build_section(section: str, recipe: object, out: Path) -> dict:
         figures["seconds"] = round(time.perf_counter() - start, 1)
         for name in names:
             built = tmp / name
-            if not (built / "pretrain.json").exists():
-                raise RuntimeError(f"{module_name}.build wrote no {name}/pretrain.json")
-            info = json.loads((built / "pretrain.json").read_text())
+            if not (built / RECORD_FILE).exists():
+                raise RuntimeError(f"{module_name}.build wrote no {name}/{RECORD_FILE}")
+            info = json.loads((built / RECORD_FILE).read_text())
             info["environment"] = {"python": platform.python_version(), "machine": platform.machine(),
                                    "processor": platform.processor(), **_versions()}
-            (built / "pretrain.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            (built / RECORD_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
             (built / "MANIFEST.json").write_text(json.dumps(_manifest(built), indent=2, sort_keys=True) + "\n")
             target = out / name
             old = out / f".{name}.old"

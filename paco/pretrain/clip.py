@@ -32,7 +32,6 @@ their mean.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import numpy as np
 import pydantic
 import torch
 
+from paco.pretrain.record import contrastive_figures, write_record
 from paco.pretrain.views import (
     SUBJECT_NAMES,
     cell_boxes,
@@ -316,17 +316,6 @@ def build(out_root: Path, recipe: ClipRecipe | None = None, *, progress: bool = 
     after = evaluate(model, processor, texts, eval_set)
     model.save_pretrained(out_dir)
     (out_dir / "config.json").write_bytes(config_bytes)  # the build's (save_pretrained may add "dtype" keys)
-    figures = {
-        "model": MODEL_NAME,
-        "steps": recipe.steps,
-        "seconds": round(seconds, 1),
-        "loss_first": float(np.mean(losses[:10])),
-        "loss_last": float(np.mean(losses[-10:])),
-        "chance_accuracy": 1.0 / len(SUBJECT_NAMES),
-        "random_init": before,
-        "pretrained": after,
-    }
-    (out_dir / "pretrain.json").write_text(
-        json.dumps({"model": MODEL_NAME, "figures": figures, "recipe": recipe.model_dump(mode="json")},
-                   indent=2, sort_keys=True) + "\n")
+    figures = contrastive_figures(MODEL_NAME, recipe.steps, seconds, losses, before, after)
+    write_record(out_dir, MODEL_NAME, figures, recipe)
     return figures

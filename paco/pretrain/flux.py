@@ -37,7 +37,6 @@ same bytes).
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -54,6 +53,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from paco.pretrain import flux_vae
+from paco.pretrain.record import write_record
 from paco.pretrain.views import SUBJECT_NAMES, cell_boxes, edit_example, layout_grid, to_pil
 
 #: repository root (the default prompts file is relative to it)
@@ -444,10 +444,6 @@ def edit_quality(policy: Any, split: str, *, resolution: int, num_steps: int, se
 # -------------------------------------------------------------------------------------------- build
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
 def _pretrain_vae(out: Path, recipe: FluxRecipe) -> dict[str, Any]:
     """Train the VAE of the directory ``out`` (module docstring), set its latent scaling and save it."""
     from diffusers import AutoencoderKL
@@ -547,5 +543,5 @@ def build(out_root: Path, recipe: FluxRecipe, *, sheet_dir: Path | None = None) 
                 Path(sheet_dir) / f"flux_kontext_{name}.png")
     figures["seconds"] = round(time.perf_counter() - t_start, 1)
     for name, d in (("flux", t2i_dir), ("flux_kontext", kontext_dir)):
-        _write_json(d / "pretrain.json", {"model": name, "figures": figures, "recipe": recipe.model_dump()})
+        write_record(d, name, figures, recipe)
     return figures

@@ -34,7 +34,6 @@ checks that every tensor outside the vision tower has the same bytes as ``build_
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ import numpy as np
 import pydantic
 import torch
 
+from paco.pretrain.record import contrastive_figures, write_record
 from paco.pretrain.views import SUBJECT_NAMES, cell_boxes, subject_view, to_pil
 
 #: the directory :func:`build` writes under ``out_root``
@@ -371,21 +371,11 @@ def build(out_root: Path, recipe: JudgeVisionRecipe | None = None, *, progress: 
     model.save_pretrained(out_dir)
     (out_dir / "config.json").write_bytes(config_bytes)  # the build's (save_pretrained adds "dtype" keys)
     checked = _check_unchanged(initial, out_dir / "model.safetensors", prefixes)
-    figures = {
-        "model": MODEL_NAME,
-        "steps": recipe.steps,
-        "seconds": round(seconds, 1),
-        "loss_first": float(np.mean(losses[:10])),
-        "loss_last": float(np.mean(losses[-10:])),
-        "chance_accuracy": 1.0 / len(SUBJECT_NAMES),
-        "random_init": before,
-        "pretrained": after,
+    figures = contrastive_figures(MODEL_NAME, recipe.steps, seconds, losses, before, after) | {
         "token_norm_initial": initial_norm,
         "token_norm_trained": trained_norm,
         "unchanged_tensors": checked,
         "vision_tower_prefixes": list(prefixes),
     }
-    (out_dir / "pretrain.json").write_text(
-        json.dumps({"model": MODEL_NAME, "figures": figures, "recipe": recipe.model_dump(mode="json")},
-                   indent=2, sort_keys=True) + "\n")
+    write_record(out_dir, MODEL_NAME, figures, recipe)
     return figures

@@ -49,7 +49,6 @@ CFG 4.0, 2 seeds per item) and with the GRPO rollouts' 6 steps.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 import time
@@ -64,6 +63,7 @@ import pydantic
 import torch
 from tqdm.auto import tqdm
 
+from paco.pretrain.record import write_record
 from paco.pretrain.views import SUBJECT_NAMES, edit_example, subject_view, to_pil, to_tensor
 
 #: the directory :func:`build` writes under ``out_root``
@@ -591,6 +591,5 @@ def build(out_root: Path, recipe: QwenImageEditRecipe) -> dict:
         "transformer_parameters": sum(p.numel() for p in policy.transformer.parameters()),
         "train_subjects": subjects, "held_out_subjects": held,
     }
-    (out / "pretrain.json").write_text(json.dumps({"recipe": recipe.model_dump(mode="json"), "figures": figures},
-                                                  indent=2, sort_keys=True) + "\n")
+    write_record(out, MODEL_NAME, figures, recipe)
     return figures
