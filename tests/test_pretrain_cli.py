@@ -105,3 +105,18 @@ def test_the_shipped_directories_are_the_recipes_output():
             assert hashlib.sha256((root / name / rel).read_bytes()).hexdigest() == digest, (name, rel)
         recorded = json.loads((root / name / "pretrain.json").read_text())["recipe"]
         assert recorded == recipes[section_of[name]].model_dump(mode="json"), name
+
+
+def test_a_prompt_row_without_its_size_is_refused(tmp_path):
+    """The composite's height and width set the aspect a pretraining view is drawn at: a row
+    without them is a named error, not a silent 1024 x 1024."""
+    from paco.pretrain.views import load_t2is_prompts
+
+    rows = (ROOT / "data/raw/t2is_prompts.jsonl").read_text().splitlines()
+    assert len(load_t2is_prompts(ROOT / "data/raw/t2is_prompts.jsonl")) == len([r for r in rows if r.strip()])
+    row = json.loads(rows[0])
+    del row["width"]
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: row without \['width'\]"):
+        load_t2is_prompts(bad)

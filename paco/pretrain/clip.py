@@ -126,7 +126,7 @@ def _composite_size(row: dict[str, Any], resolution: int) -> tuple[int, int]:
     """``(height, width)`` of ``row``'s composite sampled at ``resolution``."""
     from paco.grpo.policies import grid_size
 
-    return grid_size(int(row.get("height") or 1024), int(row.get("width") or 1024), resolution)
+    return grid_size(int(row["height"]), int(row["width"]), resolution)
 
 
 def _panel_item(texts: SubjectTexts, subject: str, rng: np.random.Generator,

@@ -99,17 +99,18 @@ def parse_layout(layout: str) -> tuple[int, int]:
 
 
 def load_t2is_prompts(path: str | Path) -> list[dict[str, Any]]:
-    """The T2IS prompts file (jsonl) as dicts with at least ``prompt``, ``layout``, ``subject``.
+    """The T2IS prompts file (jsonl) as dicts with at least ``prompt``, ``layout``, ``subject``,
+    ``height`` and ``width`` (px, the composite's size: its aspect sets the sampled size).
 
     Raises:
-        ValueError: a row without ``prompt``/``layout``/``subject`` or with an unknown subject.
+        ValueError: a row without one of those keys or with an unknown subject.
     """
     rows = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         row = json.loads(line)
-        missing = [k for k in ("prompt", "layout", "subject") if not row.get(k)]
+        missing = [k for k in ("prompt", "layout", "subject", "height", "width") if not row.get(k)]
         if missing:
             raise ValueError(f"{path}:{n}: row without {missing}")
         if row["subject"] not in SUBJECTS:
