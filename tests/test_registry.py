@@ -282,6 +282,11 @@ def test_launch_only_keys_rerun_nothing_in_either_engine():
         params["judge_endpoint"]["server"]["engine"] = "paco"
         assert "--serves_judge -m stages." in stage.cmd
     assert "--serves_judge" not in registry.by_name("reward_train").cmd
+    # the benchmark starts evaluator servers too, but through the launcher without the judge split:
+    # its evaluators take all of the member's GPUs in turn
+    bench = registry.by_name("benchmark").cmd
+    assert bench.startswith("python -m paco.core.launch ") and "--serves_judge" not in bench
+    assert "--num_processes ${item.resources.processes} --resources benchmark.${key}.resources -m stages.benchmark " in bench
     # the committed params write every subtask with the same keys, so no foreach stage falls back
     # to tracking its whole section (resources included) in either engine
     for stage in (s for s in registry.STAGES if s.foreach):

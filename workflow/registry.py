@@ -325,6 +325,10 @@ STAGES += (
     Stage(
         name="benchmark",
         foreach="benchmark",
+        # one process through paco.core.launch (the params checked first, as every stage that may
+        # use GPUs), without the judge split: its evaluators take all of the member's GPUs in turn
+        launcher="accelerate",
+        judge_gpu_split=False,
         args=(
             ("--subtask", "${key}"),
             ("--samples", "data/final_samples/${key}/samples.parquet"),

@@ -122,7 +122,12 @@ class Stage:
         launch: dotted params keys that only say how the stage is launched (``resources``).
         subprocesses: project modules the stage starts as processes of their own (the local
             judge server ``paco/judge/serve/__main__.py``): their import closure is the stage's code too;
-            its launch command has ``--serves_judge`` (:func:`paco.core.launch.judge_gpu_split`).
+            its launch command has ``--serves_judge`` (:func:`paco.core.launch.judge_gpu_split`)
+            unless ``judge_gpu_split`` is False.
+        judge_gpu_split: ``None``: ``--serves_judge`` when the stage has ``subprocesses`` (grpo,
+            final_samples: the judge on the first ``judge_endpoint.server.gpus`` GPUs, the stage's
+            processes on the rest); ``False``: never (benchmark: its evaluators are served one after
+            the other on all of the member's GPUs, so there is nothing to split).
         downloads: the stage fetches from the internet (the Hugging Face hub: ``models``). Only such
             a stage runs with hub access (every other stage process sets ``HF_HUB_OFFLINE=1``,
             ``stages/__init__.py``), and the Snakefile makes it a ``localrules`` entry
@@ -156,6 +161,7 @@ class Stage:
     evaluation: tuple[str, ...] = ()
     launch: tuple[str, ...] = ()
     subprocesses: tuple[str, ...] = ()
+    judge_gpu_split: bool | None = None
     whole_params_file: bool = False
     downloads: bool = False
     config_deps: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
@@ -182,7 +188,8 @@ class Stage:
                 f"python -m paco.core.launch --config_file workflow/accelerate/${{{res}.accelerate_config}}.yaml "
                 f"--num_processes ${{{res}.processes}} --resources {block} -m"
             )
-            if self.subprocesses:  # it may serve its judge on GPUs of its own: the launcher splits them
+            split = bool(self.subprocesses) if self.judge_gpu_split is None else self.judge_gpu_split
+            if split:  # it may serve its judge on GPUs of its own: the launcher splits them
                 launch = launch[:-len("-m")] + "--serves_judge -m"
         else:
             launch = "python -m"
