@@ -41,6 +41,15 @@ key                 required  type and meaning
                               it (T2IS-Bench's own) get one picked by the ``photos`` source.
 ``split``           no        ``"train"`` or ``"test"``. Absent: the pipeline assigns one
                               with :func:`assign_split`.
+``alignment``       no        list of rows*cols objects, panel ``k`` row-major: ``{"Entity":
+                              [text, ...], "Attribute": [...], "Relation": [...]}``, each a
+                              non-empty list of non-empty strings (T2IS-Bench's
+                              ``prompt_alignment.json``, sub-ids in file order; chengyou-jia/T2IS
+                              ``T2IS_Eval/vqa_alignment.py`` lines 7, 37-38, 61-64). Stored as
+                              the JSON string column ``alignment`` (sorted keys), ``None`` where
+                              absent; the column exists only when some row has it, so a set
+                              without it writes the same ``prompts.parquet`` as before.
+                              :mod:`paco.data.t2is_bench_import` writes it.
 ==================  ========  ================================================================
 
 Other keys (``from``, ``original_idx``, ...) are ignored. The file is UTF-8; a leading
@@ -64,7 +73,8 @@ non-blank criterion, a bad layout, a panel tag that does not fit the layout,
 a duplicate panel position, a panel count other than rows*cols, an empty panel prompt, a
 ``"<r>x<c> grid"`` in the prompt text that contradicts ``layout``, a height or width that is
 not positive or above :data:`MAX_IMAGE_SIDE`, a ``subject`` that names no shipped photograph,
-an unknown split, an ``editing_prompts`` list of the wrong length, and a duplicate
+an unknown split, an ``editing_prompts`` or ``alignment`` list of the wrong length or shape,
+and a duplicate
 ``prompt_id``. With ``strict=False`` such rows are skipped and listed instead (see
 :func:`read_t2is_jsonl_report`); nothing is dropped silently. A file that yields no valid row
 (empty, or every row skipped) raises :class:`EmptyPromptSetError` whatever ``strict`` is.
@@ -91,6 +101,8 @@ from paco.data.photos import SUBJECTS
 
 __all__ = [
     "PROMPT_COLUMNS",
+    "ALIGNMENT_COLUMN",
+    "PA_DIMENSIONS",
     "MAX_IMAGE_SIDE",
     "PHOTO_SUBJECTS",
     "SPLITS",
@@ -98,6 +110,7 @@ __all__ = [
     "EmptyPromptSetError",
     "T2ISReadResult",
     "assign_split",
+    "parse_alignment",
     "parse_record",
     "prompt_id_from_idx",
     "read_t2is_jsonl",
@@ -133,6 +146,10 @@ MAX_IMAGE_SIDE = 16384
 
 _REQUIRED = ("idx", "prompt", "height", "width", "layout", "theme", "category", "task_name",
              "criteria")
+
+#: The optional per-panel prompt-alignment column and its dimensions (vqa_alignment.py:7).
+ALIGNMENT_COLUMN = "alignment"
+PA_DIMENSIONS = ("Entity", "Attribute", "Relation")
 
 _GRID_IN_TEXT_RE = re.compile(r"\b(\d+)\s*[xX×⨉]\s*(\d+)\s+grid\b", re.IGNORECASE)
 
@@ -217,6 +234,41 @@ def _criteria_field(rec: Mapping[str, Any]) -> tuple[str, list[tuple[str, str]]]
     return json.dumps(kept, sort_keys=True, ensure_ascii=False), dropped
 
 
+def parse_alignment(value: Any, n_panels: int) -> str:
+    """One row's ``alignment`` as its stored JSON string (sorted keys, UTF-8 text kept).
+
+    Args:
+        value: a list of ``n_panels`` objects ``{"Entity": [str], "Attribute": [str],
+            "Relation": [str]}`` (panel ``k`` row-major), or that list's JSON string.
+        n_panels: rows * cols of the row's layout.
+
+    Raises:
+        PromptFormatError: invalid JSON, not a list, a length other than ``n_panels``, an entry
+            that is not an object with exactly the three keys, or a key whose value is not a
+            non-empty list of non-empty strings (vqa_alignment.py:37-38 divides by its length).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise PromptFormatError(f"'alignment' is not valid JSON: {e.msg}") from None
+    if not isinstance(value, list):
+        raise PromptFormatError(f"'alignment' must be a list (one object a panel), got {type(value).__name__}")
+    if len(value) != n_panels:
+        raise PromptFormatError(f"'alignment' has {len(value)} entries, the layout has {n_panels} panels")
+    for k, entry in enumerate(value):
+        if not isinstance(entry, dict) or set(entry) != set(PA_DIMENSIONS):
+            keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise PromptFormatError(f"'alignment'[{k}] must be an object with exactly the keys "
+                                    f"{list(PA_DIMENSIONS)}, got {keys}")
+        for dim in PA_DIMENSIONS:
+            texts = entry[dim]
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+                raise PromptFormatError(f"'alignment'[{k}][{dim!r}] must be a non-empty list of "
+                                        f"non-empty strings, got {texts!r}")
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
 def parse_record(rec: Any, *, dropped_criteria: list[tuple[str, str]] | None = None) -> dict[str, Any]:
     """Validate one decoded jsonl object and return its ``prompts.parquet`` row.
 
@@ -275,6 +327,10 @@ def parse_record(rec: Any, *, dropped_criteria: list[tuple[str, str]] | None = N
             )
         editing = list(editing)
 
+    alignment = rec.get(ALIGNMENT_COLUMN)
+    if alignment is not None:
+        alignment = parse_alignment(alignment, rows * cols)
+
     if dropped_criteria is not None:
         dropped_criteria.extend(dropped)
     return {
@@ -293,19 +349,21 @@ def parse_record(rec: Any, *, dropped_criteria: list[tuple[str, str]] | None = N
         "criteria": criteria,
         "subject": subject,
         "editing_prompts": editing,
+        ALIGNMENT_COLUMN: alignment,
     }
 
 
 def _to_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     cols: dict[str, Any] = {}
-    for name in PROMPT_COLUMNS:
+    names = PROMPT_COLUMNS + ([ALIGNMENT_COLUMN] if any(r[ALIGNMENT_COLUMN] is not None for r in records) else [])
+    for name in names:
         values = [r[name] for r in records]
         if name in ("rows", "cols", "height", "width"):
             cols[name] = pd.Series(values, dtype="int64")
         else:
             # object dtype keeps None as None (not NaN) and lists as lists
             cols[name] = pd.Series(values, dtype=object)
-    return pd.DataFrame(cols, columns=PROMPT_COLUMNS)
+    return pd.DataFrame(cols, columns=names)
 
 
 @dataclass
@@ -315,7 +373,8 @@ class T2ISReadResult:
     Attributes:
         table: :data:`PROMPT_COLUMNS`, one row per valid line in file order (``rows``,
             ``cols``, ``height``, ``width`` int64; the rest object columns whose missing
-            ``split``/``subject``/``editing_prompts`` are ``None``).
+            ``split``/``subject``/``editing_prompts`` are ``None``), then ``alignment`` (JSON
+            string or ``None``) only when some row has one.
         skipped: ``{"line": n, "reason": str}`` per malformed row (1-based); empty when strict.
         dropped_criteria: ``{"line", "prompt_id", "dimension", "criterion"}`` per null or blank
             criterion left out of a kept row's ``criteria``.
