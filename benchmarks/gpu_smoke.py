@@ -132,7 +132,7 @@ def smoke_params(device: str, dtype: str, sizes: dict[str, int], top_logprobs: i
     g["train"]["ema"].update(update_every=1)  # 2 optimizer steps never reach the preset's every-8th update
     g["eval"].update(resolution=sizes["eval_resolution"], num_steps=sizes["sample_steps"], max_prompts=1)
     f = raw["final_samples"]["t2is"]
-    f.update(resolution=sizes["final_resolution"], num_steps=sizes["sample_steps"],
+    f.update(split="test", resolution=sizes["final_resolution"], num_steps=sizes["sample_steps"],
              seeds_per_prompt=sizes["seeds_per_prompt"], max_sequence_length=sizes["max_sequence_length"], dtype=dtype)
     return raw
 

@@ -407,12 +407,12 @@ def grpo_row(preset: dict[str, Any], key: str, measured: Any = None) -> dict[str
 
 
 def final_samples_row(preset: dict[str, Any], key: str, measured: Any = None) -> dict[str, Any]:
-    """The row of ``final_samples.<key>``: the policy with the GRPO LoRA sampling at the preset's resolution."""
-    f = preset["final_samples"][key]
-    fam = f["family"]
-    inf, sources = _inference(fam, f["resolution"], int(f["batch_size"]), int(f["max_sequence_length"]), measured)
-    grpo = preset.get("grpo", {}).get(key)
-    lora = None
+    """The row of ``final_samples.<key>``: the policy with the LoRA sampling at the resolution (native: 1024 x 2048 px, the
+    largest T2IS-Bench grid, as a 1456 px square: 91**2 >= 8192 tokens)."""
+    fam, res = (f := preset["final_samples"][key])["family"], (1456 if f["resolution"] == "native" else f["resolution"])
+    inf, sources = _inference(fam, res, int(f["batch_size"]), int(f["max_sequence_length"]), measured)
+    grpo = preset.get("grpo", {}).get(f["lora"].split("/")[2] if f["lora"].startswith("data/grpo/") else key)
+    lora = None  # the LoRA of the grpo member that trains it (a <k>_bench member samples <k>'s)
     if grpo is not None:
         lora = lora_params(meta_model(FAMILY_BLOCKS[fam][0]), list(grpo["lora"]["target_modules"]),
                            int(grpo["lora"]["rank"]))

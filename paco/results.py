@@ -163,14 +163,17 @@ def grpo_section(data: Path) -> list[str]:
             f"{sig.get('prompts_paired', '-')}, p {fmt_p(sig.get('p_value'))}) | {fmt(rep['eval_first']['reward'])} -> "
             f"{fmt(rep['eval_final']['reward'])} | {fmt(rep['seconds_per_epoch'], 1)} | "
             f"{fmt(rep['run']['wall_seconds'], 0)} | {fmt(rep['run']['peak_rss_mb'] / 1024, 2)} |")
-    lines += ["", "Final samples (`final_samples@<subtask>`): held-out prompts (items) sampled with the ODE with "
-              "and without the LoRA, paired by (prompt, seed); p: two-sided paired t-test.", "",
+    lines += ["", "Final samples (`final_samples@<subtask>`): the member's split of prompts (items; held-out unless "
+              "the row says otherwise) sampled with the ODE with and without the LoRA, paired by (prompt, seed); p: "
+              "two-sided paired t-test.", "",
               "| subtask | reward | base | LoRA | LoRA - base | better | p |", "|---|---|---|---|---|---|---|"]
     for sub in _subtasks(data, "final_samples"):
         path = data / "final_samples" / sub / "report.json"
         rep = _load(path)
         for name, r in _get(rep, "rewards", path).items():
-            lines.append(f"| {sub} ({rep['samples'] // 2} pairs, {rep['resolution']} px) | {name} | "
+            size = "native size" if rep["resolution"] == "native" else f"{rep['resolution']} px"
+            split = "" if rep.get("split", "test") == "test" else f", split {rep['split']}"
+            lines.append(f"| {sub} ({rep['samples'] // 2} pairs, {size}{split}) | {name} | "
                          f"{fmt(r['base_mean'])} | {fmt(r['lora_mean'])} | {fmt_gain(r['lora_minus_base'])} | "
                          f"{r['improved_fraction']:.0%} | {fmt_p(r.get('paired_t_p_value'))} |")
     return lines

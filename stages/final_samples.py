@@ -8,8 +8,9 @@
         --clip data/models/clip --pickscore data/models/pickscore --out data/final_samples/t2is/samples.parquet \\
         --sheets data/final_samples/t2is/sheets --metrics data/final_samples/t2is/metrics.json
 
-Params ``final_samples.<subtask>`` (:class:`paco.core.params.FinalSamplesParams`), ``judge_endpoint`` (served like in
-``grpo@<subtask>``), ``subfigures``. Writes ``samples.parquet`` (one row per grid and variant:
+Params ``final_samples.<subtask>`` (:class:`paco.core.params.FinalSamplesParams`: ``split: all`` samples every item,
+``resolution: native`` each T2IS case at its own size), ``judge_endpoint`` (served like in ``grpo@<subtask>``),
+``subfigures``. Writes ``samples.parquet`` (one row per grid and variant:
 the grid, its panels, their boxes, every reward), ``sheets/base.png`` and ``sheets/lora.png``
 (contact sheets) and ``metrics.json`` (each reward with and without the LoRA).
 """
@@ -94,7 +95,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
         log.info("final_samples@%s %-12s base %.4f -> lora %.4f (diff %+.4f, improved %.0f%%, p=%s)", args.subtask, name,
                  r["base_mean"], r["lora_mean"], r["lora_minus_base"], 100 * r["improved_fraction"],
                  r.get("paired_t_p_value"))
-    metrics.update({"subtask": args.subtask, "resolution": cfg.resolution, "num_steps": cfg.num_steps,
+    metrics.update({"subtask": args.subtask, "split": cfg.split, "resolution": cfg.resolution, "num_steps": cfg.num_steps,
                     "guidance_scale": cfg.guidance_scale})
     # metrics.json: the first listed reward's (consistency's) LoRA-minus-base gain and its paired
     # t-test p-value, the paper's headline; every reward's figures are in report.json

@@ -120,7 +120,8 @@ def test_the_smoke_script_skips_stages_past_its_budget(tmp_path):
 
 #: the paper preset's memory-plan rows, in order
 PLAN_STAGES = ["reward_train", "grpo@t2is", "grpo@kontext_editing", "grpo@qwen_editing", "final_samples@t2is",
-               "final_samples@kontext_editing", "final_samples@qwen_editing", "judge"]
+               "final_samples@kontext_editing", "final_samples@qwen_editing", "final_samples@t2is_bench",
+               "final_samples@kontext_editing_bench", "final_samples@qwen_editing_bench", "judge"]
 
 
 def _numbers(x):

@@ -1,8 +1,10 @@
-"""Final sampling (stage ``final_samples@<subtask>``): the test prompts (or edit items) with and
+"""Final sampling (stage ``final_samples@<subtask>``): the prompts (or edit items) of a split with and
 without the GRPO LoRA (or a released one: ``final_samples.<subtask>.lora``).
 
-Deterministic ODE sampling (the paper's evaluation: 20 steps, 1024 px) of every test prompt,
-``seeds_per_prompt`` seeds each (seed ``k`` of prompt ``p`` draws its noise from
+Deterministic ODE sampling (the paper's evaluation: 20 steps, 1024 px) of every prompt of
+``split`` (``all``: every item, the benchmarks' whole case sets) at :func:`sample_size` (a number:
+the item's aspect at that area; ``native``: each T2IS case at its own height x width, T2IS-Bench's
+512 px panels), ``seeds_per_prompt`` seeds each (seed ``k`` of prompt ``p`` draws its noise from
 ``stable_seed(seed, "final", p, k)``, the same noise for both variants), once with the base
 policy and once with the LoRA loaded through the pipeline's own ``load_lora_weights`` (exactly
 what a user of the released LoRA does; a PEFT-layout LoRA, as the reference trainers save it, is
@@ -62,6 +64,33 @@ def _generate(policy: Policy, jobs: Sequence[tuple[SubtaskItem, int, tuple[int, 
     return out  # type: ignore[return-value]
 
 
+def sample_size(height: int, width: int, resolution: int | str, multiple: int = 16) -> tuple[int, int]:
+    """The ``(height, width)`` px at which an item of ``height x width`` px is sampled.
+
+    Args:
+        height, width: the item's size in px (a T2IS case's grid, an edit's input image), >= 1.
+        resolution: a number: the same aspect with area ``resolution**2``
+            (:func:`paco.grpo.policies.grid_size`; at 1024 a 1024 x 2048 2x4 case is 720 x 1456,
+            360 x 364 px panels); ``"native"``: the item's own size, each side rounded to the nearest
+            multiple of ``multiple`` (``max(multiple, round(side / multiple) * multiple)``, Python's
+            ``round``, the rounding of ``grid_size`` at scale 1). T2IS-Bench's grids (512 px panels,
+            512 x 1024 to 1024 x 2048) are multiples of 16 and stay exact.
+        multiple: the policy's size multiple (:attr:`paco.grpo.policies.Policy.size_multiple`,
+            16 for FLUX and Qwen-Image).
+
+    Raises:
+        ValueError: a side < 1, or a string other than ``"native"``.
+    """
+    if height < 1 or width < 1:
+        raise ValueError(f"item size must be positive, got {height}x{width}")
+    if isinstance(resolution, str):
+        if resolution != "native":
+            raise ValueError(f"resolution must be a number of px or 'native', got {resolution!r}")
+        return (max(multiple, int(round(height / multiple)) * multiple),
+                max(multiple, int(round(width / multiple)) * multiple))
+    return grid_size(height, width, resolution, multiple)
+
+
 def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], *, columns: int = 4,
                   thumb: int = 256, title: str = "") -> Image.Image:
     """A PNG-able grid of thumbnails (each scaled to a longest side of ``thumb`` px), each
@@ -85,8 +114,8 @@ def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], *, colum
 def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: str | Path, lora_dir: str | Path,
                   ctx: RewardContext, *, rank: int = 0, world: int = 1, accelerator: Any = None
                   ) -> tuple[pd.DataFrame, dict[str, Image.Image], dict[str, Any]]:
-    """Sample, cut and score the ``cfg.split`` prompts (``cfg.dataset``: ``prompts.parquet`` or
-    ``edits.parquet`` rows) with and without the LoRA.
+    """Sample, cut and score the ``cfg.split`` prompts (every one for ``all``; ``cfg.dataset``:
+    ``prompts.parquet`` or ``edits.parquet`` rows) at :func:`sample_size` with and without the LoRA.
 
     Returns:
         ``(samples, sheets, metrics)``: the ``samples.parquet`` rows (``SAMPLE_COLUMNS`` plus
@@ -101,16 +130,17 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
             or one the transformer takes only in part.
     """
     items, by_id = subtask_items(prompts, cfg.dataset)
-    test = items[items["split"].astype(str) == cfg.split].sort_values("prompt_id")
-    if test.empty:
+    chosen = items if cfg.split == "all" else items[items["split"].astype(str) == cfg.split]
+    chosen = chosen.sort_values("prompt_id")
+    if chosen.empty:
         raise ValueError(f"no prompts in split {cfg.split!r}")
-    infos = [by_id[str(pid)] for pid in test["prompt_id"]]
-    jobs = [(p, k, grid_size(int(r["height"]), int(r["width"]), cfg.resolution))
-            for p, r in zip(infos, test.to_dict("records"), strict=True) for k in range(cfg.seeds_per_prompt)]
-    mine = list(range(rank, len(jobs), world))
+    infos = [by_id[str(pid)] for pid in chosen["prompt_id"]]
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and device.type == "cuda") else torch.float32
     policy = load_policy(cfg.family, policy_dir, None, cfg, dtype=dtype, device=device)
+    jobs = [(p, k, sample_size(int(r["height"]), int(r["width"]), cfg.resolution, policy.size_multiple))
+            for p, r in zip(infos, chosen.to_dict("records"), strict=True) for k in range(cfg.seeds_per_prompt)]
+    mine = list(range(rank, len(jobs), world))
     my_jobs = [jobs[i] for i in mine]
     my_infos = [j[0] for j in my_jobs]
     generated: dict[str, tuple[list[Image.Image], dict[str, np.ndarray]]] = {}

@@ -233,8 +233,13 @@ class FinalSamplesParams(_Section):
     stage, diffusers or PEFT layout: :mod:`paco.grpo.policies.lora_io`). The cross-section checks
     are :class:`paco.core.params.schema.Params`'.
 
+    ``split: all`` samples every item whatever its split (the benchmarks' whole case sets);
+    ``resolution: native`` samples each T2IS case at its own ``height x width`` (rounded to the
+    policy's size multiple: :func:`paco.grpo.final_samples.sample_size`).
+
     Raises (validation):
-        ValueError: ``lora`` missing or of neither form.
+        ValueError: ``lora`` missing or of neither form; ``resolution: native`` with a dataset
+            other than ``prompts``; a ``split`` other than train, test, all.
     """
 
     seed: int = 0
@@ -243,8 +248,12 @@ class FinalSamplesParams(_Section):
                       "data/models/<role> (a released LoRA, e.g. role lora_paco_flux: X-GenGroup/PaCo-FLUX.1-dev-Lora)")
     family: PolicyFamily = Field("flux", description="as grpo.<subtask>.family")
     dataset: Dataset = Field("prompts", description="as grpo.<subtask>.dataset")
-    split: str = "test"
-    resolution: int = Field(1024, ge=16)
+    split: Literal["train", "test", "all"] = Field(
+        "test", description="the items sampled: train | test | all (every item whatever its split: a benchmark's "
+        "whole case set, as paper Tables 3-4 score T2IS-Bench and GEdit-Bench)")
+    resolution: Annotated[int, Field(ge=16)] | Literal["native"] = Field(
+        1024, description="px: each item at the same aspect with area resolution**2 (paco.grpo.policies.grid_size), "
+        "or native: each T2IS case at its own height x width (T2IS-Bench's 512 px panels; dataset prompts only)")
     num_steps: int = Field(20, ge=1)
     guidance_scale: float = Field(3.5, ge=0.0)
     seeds_per_prompt: int = Field(1, ge=1)
@@ -284,4 +293,10 @@ class FinalSamplesParams(_Section):
     @model_validator(mode="after")
     def _family_dataset(self) -> FinalSamplesParams:
         _check_family_dataset(self.family, self.dataset)
+        if self.resolution == "native" and self.dataset != "prompts":
+            # GEdit-Bench's own generation example (stepfun-ai/Step1X-Edit GEdit-Bench/generate_image_example.py,
+            # calculate_dimensions(512 * 512, ratio)) samples at a fixed area with the input's aspect: a number here
+            raise ValueError(f"resolution native is for dataset prompts (each T2IS case's own height x width); "
+                             f"dataset {self.dataset}: write a number, e.g. 512 (GEdit-Bench's released generation: "
+                             f"the input's aspect at 512 x 512 px area) or 1024 (the paper)")
         return self
