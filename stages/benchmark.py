@@ -62,20 +62,22 @@ def _evaluators(params: Params, cfg, answers: Path, subtask: str) -> list:
                   "top_logprobs": cfg.top_logprobs, "api_key": key}
         out.append(BenchEvaluator(name, ev.served_model_name, url=ev.url, model_dir=ev.model, cache_dir=answers,
                                   server_kwargs={**server, "log_path": Path("logs") / f"benchmark_{subtask}.{name}.log"},
-                                  client_kwargs=client))
+                                  client_kwargs=client, backend=ev.backend))
     return out
 
 
 def _score(args: argparse.Namespace, params: Params, cfg, evaluators: list) -> tuple:
     """(scores, metrics, report, table text) of the member's protocol."""
-    from paco.benchmark import gedit_run, t2is_run
+    from paco.benchmark import gedit_run, t2is_local, t2is_run
     from paco.benchmark.cases import SAMPLE_COLUMNS
     from paco.benchmark.gedit_bench import OFFICIAL_TASK_TYPES
     from paco.benchmark.tables import gedit_table, stand_in_notes, t2is_table
 
     samples = read_parquet(args.samples, required=SAMPLE_COLUMNS)
-    # the project's CPU servers (one thread each) are asked at once; vLLM servers one after the other
-    together = params.judge_endpoint.server.engine == "paco"
+    # the project's CPU servers (one thread each) are asked at once; vLLM servers and in-process
+    # (transformers) evaluators one after the other: each has the member's GPUs to itself
+    together = params.judge_endpoint.server.engine == "paco" and all(
+        ev.backend == "openai" for ev in cfg.evaluators.values())
     chunk = 4 * cfg.concurrency
     described = {n: ev.model_dump() for n, ev in cfg.evaluators.items()}
     doubled = [f"`{ev.name}`" for ev in evaluators if ev.doubles_single_images]
@@ -88,8 +90,11 @@ def _score(args: argparse.Namespace, params: Params, cfg, evaluators: list) -> t
                                   prompt_alignment=cfg.t2is.prompt_alignment)
         log.info("benchmark@%s: T2IS-Bench, %d cases, %d questions per evaluator", args.subtask,
                  len(plan.cases["base"]), len(plan.requests))
+        t2is_local.check_local(plan, cfg.t2is)  # t2v_metrics / aesthetic weights missing: fail before asking
         answers = t2is_run.ask_t2is(plan, evaluators, together=together, chunk=chunk)
-        scores, metrics, report = t2is_run.score_t2is(plan, answers, prompt_alignment=cfg.t2is.prompt_alignment)
+        local = t2is_local.score_local(plan, cfg.t2is)  # VQAScore and aesthetics (GPU), after the evaluators closed
+        scores, metrics, report = t2is_run.score_t2is(plan, answers, prompt_alignment=cfg.t2is.prompt_alignment,
+                                                      local=local)
         notes = stand_in_notes("t2is", cfg, described, report["not_scored"], extra)
         return scores, metrics, report, t2is_table(args.subtask, metrics, described, notes), len(plan.requests)
     items = read_parquet(args.items, required=gedit_run.EDIT_COLUMNS)
@@ -126,7 +131,7 @@ def run_identity(params: Params, subtask: str, params_path: str | Path, *, args:
                               params_path, root=root, params=params, args=args)
     server = params.judge_endpoint.server
     cfg = subtask_params(params, "benchmark", subtask)
-    if server.engine == "vllm" and any(ev.url is None for ev in cfg.evaluators.values()):
+    if server.engine == "vllm" and any(ev.url is None and ev.backend == "openai" for ev in cfg.evaluators.values()):
         identity = identity.extended(vllm_tensor_parallel_size=max(server.gpus, 1))
     return identity
 

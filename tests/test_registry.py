@@ -489,3 +489,19 @@ def test_local_model_directories_are_dependencies_of_models():
 
     assert data_deps(config) == ["./my/judge", "/abs/processor_dir", "data/raw/pretrained/clip"]
     assert data_deps(load_config()) == ["data/raw/pretrained/clip"]  # the embedded default's pretrained CLIP
+
+
+def test_the_benchmarks_laion_predictor_inputs_are_dependencies():
+    """``benchmark.<k>.t2is.aesthetics: laion`` reads a CLIP role and a weights file: both are data
+    dependencies of the benchmark members (a new file reruns them); with ``none`` neither is."""
+    from paco.core.params.base import read_params_yaml
+
+    config = read_params_yaml(ROOT / "workflow" / "presets" / "paper.yaml")
+    t2is = config["benchmark"]["t2is_bench"]["t2is"]
+    assert t2is["aesthetics"] == "laion"
+    deps = registry.render_dvc(config)["stages"]["benchmark"]["do"]["deps"]
+    assert {t2is["aesthetics_clip"], t2is["aesthetics_weights"]} <= set(deps)
+    for member in config["benchmark"].values():
+        member["t2is"] = {"prompt_alignment": "none", "aesthetics": "none"}
+    deps = registry.render_dvc(config)["stages"]["benchmark"]["do"]["deps"]
+    assert t2is["aesthetics_weights"] not in deps

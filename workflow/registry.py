@@ -309,15 +309,19 @@ STAGES += (
 
 def _evaluator_models(config: Mapping[str, Any]) -> tuple[str, ...]:
     """The model directories of the evaluators the benchmark members serve themselves (``url``
-    null), over all members, sorted: the members of a foreach stage share one DVC ``do:`` block
-    and evaluators are a per-member dict, so every member depends on all of them (a changed
-    evaluator reruns the benchmarks; its weights are in each member's run identity, which keeps
-    its answer cache)."""
+    null) or load (``backend: transformers``), and the LAION aesthetic predictor's CLIP role and
+    weights file (``t2is.aesthetics: laion``), over all members, sorted: the members of a foreach
+    stage share one DVC ``do:`` block and evaluators are a per-member dict, so every member depends
+    on all of them (a changed evaluator reruns the benchmarks; its weights are in each member's run
+    identity, which keeps its answer cache)."""
     out = set()
     for item in (config.get("benchmark") or {}).values():
         for ev in ((item or {}).get("evaluators") or {}).values() if isinstance(item, Mapping) else ():
             if isinstance(ev, Mapping) and ev.get("url") is None and isinstance(ev.get("model"), str):
                 out.add(ev["model"])
+        t2is = (item or {}).get("t2is") if isinstance(item, Mapping) else None
+        if isinstance(t2is, Mapping) and t2is.get("aesthetics") == "laion":  # the LAION predictor's CLIP and MLP
+            out.update(v for v in (t2is.get("aesthetics_clip"), t2is.get("aesthetics_weights")) if isinstance(v, str))
     return tuple(sorted(out))
 
 

@@ -26,8 +26,10 @@ VARIANTS = ("base", "lora")
 #: the samples.parquet columns the stage reads
 SAMPLE_COLUMNS = ["sample_id", "prompt_id", "seed", "variant", "image"]
 #: scores.parquet: one row per question asked (issue 27), in this order, and its Arrow types: ``panels``
-#: the panel pair (vc) or panel (pa) indices, 0-based row-major, null for GEdit; ``score`` P(Yes) in
-#: [0, 1] (vc, pa) or the official min of the parsed score list (sc, pq), NaN when unparsed;
+#: the panel pair (vc) or panel (pa, aesthetics) indices, 0-based row-major, null for GEdit; ``score``
+#: P(Yes) in [0, 1] (vc, pa; pa by t2v_metrics: its VQAScore), the LAION predictor's raw AVA-scale
+#: score (protocol ``aesthetics``, no question), or the official min of the parsed score list (sc,
+#: pq), NaN when unparsed;
 #: ``score_list`` the parsed list (sc, pq; null for vc, pa and unparsed replies); ``reply`` the raw
 #: text (sc, pq with ``scoring: reply``); ``attempt`` 0, or 1 for the official re-query;
 #: ``guessed`` the official random guess (``official_random``); ``task_type``, ``language``: GEdit's

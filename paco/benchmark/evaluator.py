@@ -38,8 +38,9 @@ from the stored log-probs on every hit, so a hit gives the value a fresh ask wou
 Failures are named errors and never scores: :class:`EvaluatorError` (a request that failed for
 good: the message names the evaluator, URL, served model, HTTP status and attempts),
 :class:`EvaluatorContextLengthError`, :class:`EvaluatorReplyError` (a reply without what its
-kind needs). A failed request writes nothing to the cache. A local transformers evaluator is not
-built here: serve the model with vLLM (or ``paco.judge.serve``) and point the client at it.
+kind needs). A failed request writes nothing to the cache. The same three kinds answered by a
+transformers model in this process (no server): :class:`paco.benchmark.local_evaluator.LocalEvaluator`,
+whose keys add ``backend`` so its answers never mix with a server's.
 """
 
 from __future__ import annotations
@@ -242,6 +243,18 @@ class Evaluator:
     def __init__(self, name: str, base_url: str, model: str, *, api_key: str | None = None, concurrency: int = 8,
                  timeout_s: float = 120.0, retries: int = 3, top_logprobs: int = 20, answer_variants: bool = False,
                  cache: AnswerCache | str | Path | None = None, cache_part: str = "0"):
+        self._setup(name, model, top_logprobs, answer_variants)
+        self._client = _Client(base_url, model, concurrency=concurrency, timeout_s=timeout_s, retries=retries,
+                               top_logprobs=top_logprobs, answer_variants=answer_variants, api_key=api_key)
+        self.base_url, self.concurrency = self._client.base_url, self._client.concurrency
+        self.cache = cache if isinstance(cache, AnswerCache) else AnswerCache(cache, part=cache_part)
+
+    def _setup(self, name: str, model: str, top_logprobs: int, answer_variants: bool) -> None:
+        """Check and set what every backend shares (name, model, ``top_logprobs``, counters).
+
+        Raises:
+            ValueError: an empty name or model, ``top_logprobs`` not an int >= 1.
+        """
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"an evaluator needs a non-empty name, got {name!r}")
         if not isinstance(model, str) or not model.strip():
@@ -249,13 +262,15 @@ class Evaluator:
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 1:
             raise ValueError(f"evaluator {name!r}: top_logprobs must be an int >= 1, got {top_logprobs!r}")
         self.name, self.model = name, model
-        self._client = _Client(base_url, model, concurrency=concurrency, timeout_s=timeout_s, retries=retries,
-                               top_logprobs=top_logprobs, answer_variants=answer_variants, api_key=api_key)
-        self.base_url, self.concurrency = self._client.base_url, self._client.concurrency
         self.top_logprobs, self.answer_variants = top_logprobs, bool(answer_variants)
-        self.cache = cache if isinstance(cache, AnswerCache) else AnswerCache(cache, part=cache_part)
         self.asked = self.hits = 0
         self._lock = threading.Lock()
+
+    def _key_fields(self) -> dict[str, Any]:
+        """Fields this backend adds to every request's cache key (none for the OpenAI client, so
+        its keys are those of the module docstring; :class:`paco.benchmark.local_evaluator.LocalEvaluator`
+        adds ``backend`` and ``dtype``)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"Evaluator({self.name!r}, {self.base_url!r}, model={self.model!r})"
@@ -397,7 +412,8 @@ class Evaluator:
             request = {"evaluator": self.name, "model": self.model, "kind": kind, "text": _check_text(text),
                        "images": [sha for _, sha in sent], "max_tokens": max_tokens,
                        "top_logprobs": None if kind == "reply" else self.top_logprobs,
-                       "layout": "text_first" if text_first else "images_first", "attempt": attempt}
+                       "layout": "text_first" if text_first else "images_first", "attempt": attempt,
+                       **self._key_fields()}
             key = request_key(request)
             keys.append(key)
             if key not in self.cache and key not in jobs:

@@ -4,7 +4,11 @@ stage starts itself, exactly as grpo serves its judge (:class:`paco.judge.local_
 with ``judge_endpoint.server``'s engine, dtype and vLLM flags), and only when a question is not in
 the answer cache: a rerun whose answers are all cached starts no server and asks nothing.
 
-* :class:`BenchEvaluator`: one evaluator (a column of the benchmark's table) with its cache.
+* :class:`BenchEvaluator`: one evaluator (a column of the benchmark's table) with its cache;
+  ``backend="transformers"``: the model answers in this process
+  (:class:`~paco.benchmark.local_evaluator.LocalEvaluator`, ``judge_endpoint.server``'s device,
+  dtype and ``max_model_len``), no server is started, and it is loaded only when a batch is not
+  all cached.
 * :func:`ask_evaluators`: run a function for every evaluator: all at once when every server is
   the project's own (``engine: paco``, a process of one CPU thread each), one after the other
   when a vLLM server takes the GPUs (each stopped before the next starts).
@@ -26,6 +30,10 @@ from typing import Any
 from paco.benchmark.answer_cache import AnswerCache
 from paco.benchmark.evaluator import Evaluator, EvaluatorError
 from paco.core.io import ArtifactError
+
+#: the evaluator backends: ``openai`` (a URL, or a server the stage starts), ``transformers``
+#: (the model in this process, :mod:`paco.benchmark.local_evaluator`)
+BACKENDS = ("openai", "transformers")
 
 log = logging.getLogger("paco.benchmark.serving")
 
@@ -62,22 +70,33 @@ class BenchEvaluator:
         client_kwargs: :class:`Evaluator`'s keywords (concurrency, timeout_s, retries,
             top_logprobs, api_key).
         cache_dir: the answer directory (``None``: in memory).
+        backend: one of :data:`BACKENDS`; ``transformers`` needs ``url`` ``None`` and takes
+            ``device``, ``dtype`` and ``max_model_len`` of ``server_kwargs`` and ``top_logprobs``
+            (and ``answer_variants``) of ``client_kwargs`` (the rest concern HTTP and are unused).
 
     Attributes:
-        started: whether a server was started (never, on a run whose answers were all cached).
+        started: whether a server was started, or a ``transformers`` model loaded (never, on a
+            run whose answers were all cached).
         doubles_single_images: the stage serves it with the project's server (``engine: paco``),
             which takes exactly two images and a text (the judge's pair question): a one-image
             question (GEdit-Bench's PQ, T2IS-Bench's PA) is sent with its image twice, a
             stand-in the table notes.
 
     Raises:
-        ArtifactError: a served evaluator's ``model_dir`` holds no model (no ``config.json``).
+        ArtifactError: a served or ``transformers`` evaluator's ``model_dir`` holds no model (no
+            ``config.json``), or no complete weights (``transformers``).
+        ValueError: an unknown ``backend``; ``transformers`` with a ``url``; a bad device or dtype.
     """
 
     def __init__(self, name: str, served_model_name: str, *, url: str | None, model_dir: str | Path | None,
                  server_kwargs: Mapping[str, Any] | None, client_kwargs: Mapping[str, Any],
-                 cache_dir: str | Path | None):
-        self.name, self.served_model_name, self.url = name, served_model_name, url
+                 cache_dir: str | Path | None, backend: str = "openai"):
+        if backend not in BACKENDS:
+            raise ValueError(f"evaluator {name!r}: backend {backend!r} is not one of {BACKENDS}")
+        if backend == "transformers" and url is not None:
+            raise ValueError(f"evaluator {name!r}: backend 'transformers' runs model_dir in this process; "
+                             f"it takes no url (got {url!r})")
+        self.name, self.served_model_name, self.url, self.backend = name, served_model_name, url, backend
         self.model_dir = None if model_dir is None else Path(model_dir)
         if url is None and (self.model_dir is None or not (self.model_dir / "config.json").is_file()):
             raise ArtifactError(f"evaluator {name!r}: {self.model_dir} holds no model (no config.json): run the "
@@ -85,14 +104,30 @@ class BenchEvaluator:
         self.cache = AnswerCache(cache_dir, part=name)
         self._client_kwargs = dict(client_kwargs)
         self._server_kwargs = dict(server_kwargs or {})
-        self.doubles_single_images = url is None and self._server_kwargs.get("engine", "paco") == "paco"
+        self.doubles_single_images = (url is None and backend == "openai"
+                                      and self._server_kwargs.get("engine", "paco") == "paco")
         self._server = None
         self.started = False
         self._cancelled = threading.Event()
         self._online: Evaluator | None = None
         self._lock = threading.Lock()
-        self._offline = Evaluator(name, url or UNSERVED_URL, served_model_name, cache=self.cache,
-                                  **self._client_kwargs)
+        self._offline = self._local(name) if backend == "transformers" else \
+            Evaluator(name, url or UNSERVED_URL, served_model_name, cache=self.cache, **self._client_kwargs)
+
+    def _local(self, name: str) -> Evaluator:
+        """The in-process evaluator of ``backend="transformers"`` (loaded on its first uncached batch)."""
+        from paco.benchmark.local_evaluator import LocalEvaluator
+        from paco.models.loading import ModelDirectoryError
+
+        s, c = self._server_kwargs, self._client_kwargs
+        try:
+            return LocalEvaluator(name, self.model_dir, self.served_model_name, device=s.get("device", "auto"),
+                                  dtype=s.get("dtype", "float32"), max_model_len=s.get("max_model_len"),
+                                  top_logprobs=c.get("top_logprobs", 20),
+                                  answer_variants=c.get("answer_variants", False), cache=self.cache)
+        except ModelDirectoryError as exc:
+            raise ArtifactError(f"evaluator {name!r}: {exc}: run the stage that writes it (models, "
+                                "reward_merge)") from None
 
     def __repr__(self) -> str:
         return f"BenchEvaluator({self.name!r}, {self.url or self.model_dir})"
@@ -109,7 +144,7 @@ class BenchEvaluator:
 
     def describe(self) -> dict[str, Any]:
         """``{served_model_name, url or model, served_by_stage, started}`` for the report."""
-        return {"served_model_name": self.served_model_name, "url": self.url,
+        return {"served_model_name": self.served_model_name, "url": self.url, "backend": self.backend,
                 "model": None if self.model_dir is None else str(self.model_dir),
                 "served_by_stage": self.url is None, "server_started": self.started,
                 "doubles_single_images": self.doubles_single_images}
@@ -122,12 +157,16 @@ class BenchEvaluator:
         return [([*images, *images] if len(images) == 1 else images, text) for images, text in requests]
 
     def start(self) -> None:
-        """Start this evaluator's server now (it loads while the caller goes on); nothing for a
-        URL evaluator or a started one."""
+        """Start this evaluator's server, or load its ``transformers`` model, now (it loads while
+        the caller goes on; a load that fails fails again, named, at the first uncached batch);
+        nothing for a URL evaluator or a started one."""
         from paco.judge.local_server import LocalJudgeServer
 
         with self._lock:
-            if self.url is not None or self._server is not None:
+            if self.backend == "transformers" and not self.started:
+                self.started = True
+                threading.Thread(target=self._load_quietly, name=f"load-{self.name}", daemon=True).start()
+            if self.url is not None or self._server is not None or self.backend == "transformers":
                 return
             self._server = LocalJudgeServer(self.model_dir, self.served_model_name, **self._server_kwargs)
             self._server.start()
@@ -148,6 +187,14 @@ class BenchEvaluator:
         if self._cancelled.is_set():
             raise EvaluatorError(f"evaluator {self.name!r}: cancelled (another evaluator failed)")
         if self.url is not None or self._offline.pending(kind, requests, **kw) == 0:
+            return self._offline
+        if self.backend == "transformers":
+            self.started = True
+            try:
+                self._offline.load()
+            except Exception as exc:  # ModelDirectoryError, WeightsMismatchError, OSError, CUDA errors
+                raise EvaluatorError(f"evaluator {self.name!r}: cannot load {self.model_dir}: "
+                                     f"{type(exc).__name__}: {exc}") from None
             return self._offline
         self.start()
         with self._lock:
@@ -184,8 +231,17 @@ class BenchEvaluator:
         """:meth:`Evaluator.pending` against this evaluator's cache."""
         return self._offline.pending(kind, self._adapt(requests), **kw)
 
+    def _load_quietly(self) -> None:
+        """:meth:`LocalEvaluator.load` in :meth:`start`'s thread; its error is raised again, named,
+        by the batch that needs the model (:meth:`_evaluator`)."""
+        try:
+            self._offline.load()
+        except Exception:  # noqa: BLE001 - raised again where it is needed
+            log.debug("evaluator %s: loading in the background failed", self.name, exc_info=True)
+
     def close(self) -> None:
-        """Stop the server (if one runs) and close the clients (again: nothing)."""
+        """Stop the server (if one runs), drop a ``transformers`` model and close the clients
+        (again: nothing)."""
         server, self._server = self._server, None
         if server is not None:
             server.__exit__(None, None, None)

@@ -12,12 +12,16 @@ official VC question of every criterion for every pair ``i < j``
 other dimension, reported apart). With ``prompt_alignment: yes_no``, each panel (as cut) is asked
 the VQAScore question of each of its Entity / Attribute / Relation criteria (the prompts table's
 ``alignment`` column, when it has one) as a yes/no log-prob: an approximation of the official
-``clip-flant5-xxl`` VQAScore. Aesthetics are never scored (``None``), so Avg is ``None`` too.
+``clip-flant5-xxl`` VQAScore. With ``prompt_alignment: t2v_metrics`` the same panels and criteria
+are scored by the official VQAScore instead (:mod:`paco.benchmark.t2is_local`, not asked of the
+evaluators), and with ``aesthetics: laion`` every panel by the LAION aesthetic predictor; without
+it aesthetics are not scored (``None``), and neither is Avg.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +32,7 @@ from paco.benchmark.cases import VARIANTS, ask_in_chunks, paired, score_frame, s
 from paco.benchmark.serving import BenchEvaluator, ask_evaluators
 from paco.benchmark.t2is_bench import aggregate_pa, aggregate_vc, case_from_prompt_row, pa_questions, t2is_metrics
 from paco.benchmark.t2is_bench import vc_questions
+from paco.benchmark.t2is_local import LocalScores, aesthetics_summary, aesthetics_values, local_pa_records, local_rows
 from paco.benchmark.t2is_panels import cut_panels, resize_for_vc
 from paco.core.io import ArtifactError, decode_image
 from paco.judge.chat import png_bytes
@@ -36,21 +41,30 @@ from paco.judge.chat import png_bytes
 PROMPT_COLUMNS = ["prompt_id", "rows", "cols", "criteria"]
 #: the per-case figures compared LoRA minus base
 PAIRED_KEYS = ("vc", "identity", "style", "logic")
+#: ``benchmark.<k>.t2is.prompt_alignment`` values (:class:`paco.core.params.benchmark.T2ISProtocolParams`)
+PROMPT_ALIGNMENT = ("none", "yes_no", "t2v_metrics")
 
 
 @dataclass
 class T2ISPlan:
     """The questions of a run: ``cases[variant]`` (case dicts of :mod:`paco.benchmark.t2is_bench`),
     ``questions`` (one dict per question: the scores.parquet fields but ``evaluator`` and
-    ``score``) and ``requests`` (``(images as PNG bytes, text)``, aligned with ``questions``)."""
+    ``score``), ``requests`` (``(images as PNG bytes, text)``, aligned with ``questions``),
+    ``local_pa`` (the PA questions scored by t2v_metrics, not asked of the evaluators, as
+    ``questions``) and ``sources`` (one dict per sample: ``variant``, ``case_id``, ``sample_id``,
+    ``image`` (the samples table's cell, not copied), ``rows``, ``cols``)."""
 
     cases: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {v: [] for v in VARIANTS})
     questions: list[dict[str, Any]] = field(default_factory=list)
     requests: list[tuple[list[bytes], str]] = field(default_factory=list)
+    local_pa: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _alignment(row: dict[str, Any]) -> Any:
     value = row.get("alignment")
+    if value is None or (isinstance(value, float) and math.isnan(value)):  # a null cell (pandas: NaN)
+        return None
     if isinstance(value, str):
         try:
             return json.loads(value)
@@ -66,12 +80,16 @@ def plan_t2is(samples: pd.DataFrame, prompts: pd.DataFrame, *, seeds_per_prompt:
     Args:
         samples: ``samples.parquet`` (:data:`paco.benchmark.cases.SAMPLE_COLUMNS`).
         prompts: ``prompts.parquet`` (:data:`PROMPT_COLUMNS`, optionally ``alignment``).
-        prompt_alignment: ``none`` or ``yes_no``.
+        prompt_alignment: ``none``, ``yes_no`` (PA asked of the evaluators) or ``t2v_metrics``
+            (PA questions kept in ``local_pa``).
 
     Raises:
-        ArtifactError: a sample whose prompt is not in ``prompts``, an undecodable image, and the
-            errors of :func:`~paco.benchmark.cases.select_samples` and the T2IS modules.
+        ArtifactError: an unknown ``prompt_alignment``, a sample whose prompt is not in
+            ``prompts``, an undecodable image, and the errors of
+            :func:`~paco.benchmark.cases.select_samples` and the T2IS modules.
     """
+    if prompt_alignment not in PROMPT_ALIGNMENT:
+        raise ArtifactError(f"prompt_alignment {prompt_alignment!r}: one of {list(PROMPT_ALIGNMENT)}")
     chosen = select_samples(samples, seeds_per_prompt=seeds_per_prompt, max_prompts=max_prompts)
     by_id = {str(r["prompt_id"]): r for r in prompts.to_dict("records")}
     plan = T2ISPlan()
@@ -85,19 +103,24 @@ def plan_t2is(samples: pd.DataFrame, prompts: pd.DataFrame, *, seeds_per_prompt:
                                     n_panels=len(panels))
         plan.cases[row["variant"]].append(case)
         base = {"sample_id": row["sample_id"], "case_id": row["case_id"], "variant": row["variant"]}
+        plan.sources.append({**base, "image": row["image"], "rows": int(prompt["rows"]), "cols": int(prompt["cols"])})
         vc_images = [png_bytes(resize_for_vc(p)) for p in panels]
         for q in vc_questions(case):
             i, j = q["panels"]
             plan.questions.append({**base, "protocol": "vc", "dimension": q["dimension"], "criterion": q["criterion"],
                                    "panels": [i, j], "question": q["question"]})
             plan.requests.append(([vc_images[i], vc_images[j]], q["question"]))
-        if prompt_alignment == "yes_no":
-            pa_images = [png_bytes(p.convert("RGB")) for p in panels]
-            for q in pa_questions(case):
-                plan.questions.append({**base, "protocol": "pa", "dimension": q["dimension"],
-                                       "criterion": q["criterion"], "panels": [q["panel"]],
-                                       "question": q["question"], "criterion_index": q["criterion_index"]})
-                plan.requests.append(([pa_images[q["panel"]]], q["question"]))
+        if prompt_alignment == "none":
+            continue
+        pa_images = [png_bytes(p.convert("RGB")) for p in panels] if prompt_alignment == "yes_no" else []
+        for q in pa_questions(case):
+            question = {**base, "protocol": "pa", "dimension": q["dimension"], "criterion": q["criterion"],
+                        "panels": [q["panel"]], "question": q["question"], "criterion_index": q["criterion_index"]}
+            if prompt_alignment == "t2v_metrics":
+                plan.local_pa.append(question)
+                continue
+            plan.questions.append(question)
+            plan.requests.append(([pa_images[q["panel"]]], q["question"]))
     return plan
 
 
@@ -126,21 +149,55 @@ def _records(plan: T2ISPlan, scores: list[float], variant: str, protocol: str) -
     return out
 
 
-def score_t2is(plan: T2ISPlan, answers: dict[str, list[float]], *, prompt_alignment: str
-               ) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
-    """``(scores.parquet, metrics, report)`` of the answers.
+def _pa(plan: T2ISPlan, values: list[float], variant: str, prompt_alignment: str, local: LocalScores
+        ) -> dict[str, Any] | None:
+    """One variant's PA aggregate for one evaluator: its own yes/no answers, or the (evaluator-independent)
+    VQAScore of ``local``; None when PA is not scored."""
+    if prompt_alignment == "yes_no":
+        return aggregate_pa(plan.cases[variant], _records(plan, values, variant, "pa"))
+    if prompt_alignment == "t2v_metrics":
+        return aggregate_pa(plan.cases[variant], local_pa_records(plan, local, variant))
+    return None
+
+
+def _not_scored(prompt_alignment: str, n_pa: int, local: LocalScores) -> dict[str, str]:
+    not_scored = {}
+    if local.aesthetics is None:
+        not_scored["aesthetics"] = ("benchmark.<k>.t2is.aesthetics is none (the released T2IS code has no aesthetics "
+                                    "metric; none is made up, Avg is null)")
+    if prompt_alignment == "none":
+        not_scored["pa"] = "benchmark.<k>.t2is.prompt_alignment is none (Entity / Attribute / Relation not scored)"
+    elif n_pa == 0:
+        not_scored["pa"] = "no case has Entity / Attribute / Relation criteria (the prompts table has no alignment)"
+    return not_scored
+
+
+def score_t2is(plan: T2ISPlan, answers: dict[str, list[float]], *, prompt_alignment: str,
+               local: LocalScores | None = None) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
+    """``(scores.parquet, metrics, report)`` of the answers and the local scores
+    (:func:`paco.benchmark.t2is_local.score_local`: VQAScore with ``prompt_alignment: t2v_metrics``,
+    the LAION aesthetics; default none).
 
     metrics: ``protocol``, ``cases``, ``questions`` ({vc, pa}: per variant and evaluator),
     ``scores`` ({variant: {evaluator: identity, style, logic, vc, entity, attribute, relation,
     pa, aesthetics, avg}}, :func:`~paco.benchmark.t2is_bench.t2is_metrics`; ``None`` where not
-    measured), ``lora_minus_base`` ({evaluator: {vc, identity, style, logic: paired test over
+    measured; VQAScore PA and aesthetics are the same in every evaluator's entry),
+    ``lora_minus_base`` ({evaluator: {vc, identity, style, logic: paired test over
     cases}}, per-case figures of :func:`~paco.benchmark.t2is_bench.aggregate_vc`: a dimension
     is compared over the cases that have a scored criterion of it, a case lacking it is left out
     of that test (its ``vc`` still counts the lacking dimension as 0, as the official per-case
     score does, test_prompt_consistency.py:178-185)), ``skipped_cases`` (no criteria or no
-    image), ``unparsed`` (0: a yes/no answer always scores). report: per variant and evaluator the
-    extra dimensions, skipped cases and panels, cases without alignment, and what is not scored.
+    image), ``unparsed`` (0: a yes/no answer always scores), ``aesthetics_laion``
+    (:func:`~paco.benchmark.t2is_local.aesthetics_summary`, None when not scored). report: per
+    variant and evaluator the extra dimensions, skipped cases and panels, cases without alignment,
+    and what is not scored.
+
+    Raises:
+        ArtifactError: ``t2v_metrics`` PA questions without their VQAScores; the aggregation's
+            errors (:mod:`paco.benchmark.t2is_bench`).
     """
+    local = local or LocalScores()
+    aes = aesthetics_values(local)
     rows, scores, pairs, detail = [], {}, {}, {}
     for name, values in answers.items():
         for q, s in zip(plan.questions, values, strict=True):
@@ -149,9 +206,8 @@ def score_t2is(plan: T2ISPlan, answers: dict[str, list[float]], *, prompt_alignm
         per_case = {}
         for variant in VARIANTS:
             vc = aggregate_vc(plan.cases[variant], _records(plan, values, variant, "vc"))
-            pa = (aggregate_pa(plan.cases[variant], _records(plan, values, variant, "pa"))
-                  if prompt_alignment == "yes_no" else None)
-            scores.setdefault(variant, {})[name] = t2is_metrics(vc, pa, aesthetics=None)
+            pa = _pa(plan, values, variant, prompt_alignment, local)
+            scores.setdefault(variant, {})[name] = t2is_metrics(vc, pa, aesthetics=aes[variant])
             # a dimension the case lacks is None here (the paired test skips the case), 0 only in its vc
             per_case[variant] = {cid: {"vc": c["overall"], **{k.lower(): v if c["criteria"].get(k) else None
                                                               for k, v in c["dimensions"].items()}}
@@ -163,16 +219,12 @@ def score_t2is(plan: T2ISPlan, answers: dict[str, list[float]], *, prompt_alignm
                                                "cases_without_alignment": pa["cases_without_alignment"]}}
         pairs[name] = {k: paired({c: v[k] for c, v in per_case["base"].items()},
                                  {c: v[k] for c, v in per_case["lora"].items()}) for k in PAIRED_KEYS}
+    rows += local_rows(plan, local)
     n_vc = sum(1 for q in plan.questions if q["protocol"] == "vc" and q["variant"] == "base")
-    n_pa = sum(1 for q in plan.questions if q["protocol"] == "pa" and q["variant"] == "base")
+    n_pa = sum(1 for q in plan.questions + plan.local_pa if q["protocol"] == "pa" and q["variant"] == "base")
     first = next(iter(detail["base"].values()))
     metrics = {"protocol": "t2is", "cases": len(plan.cases["base"]), "questions": {"vc": n_vc, "pa": n_pa},
                "scores": scores, "lora_minus_base": pairs, "skipped_cases": len(first["skipped_cases"]),
-               "unparsed": 0}
-    not_scored = {"aesthetics": "the released T2IS code has no aesthetics metric; none is made up (Avg is null)"}
-    if prompt_alignment == "none":
-        not_scored["pa"] = "benchmark.<k>.t2is.prompt_alignment is none (Entity / Attribute / Relation not scored)"
-    elif n_pa == 0:
-        not_scored["pa"] = "no case has Entity / Attribute / Relation criteria (the prompts table has no alignment)"
-    report = {"detail": detail, "not_scored": not_scored}
+               "unparsed": 0, "aesthetics_laion": aesthetics_summary(local)}
+    report = {"detail": detail, "not_scored": _not_scored(prompt_alignment, n_pa, local)}
     return score_frame(rows), metrics, report

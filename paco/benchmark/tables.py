@@ -94,9 +94,9 @@ def gedit_table(subtask: str, metrics: Mapping[str, Any], evaluators: Mapping[st
 def stand_in_notes(protocol: str, cfg: Any, evaluators: Mapping[str, Mapping[str, Any]],
                    not_scored: Mapping[str, str], extra: Sequence[str] = ()) -> list[str]:
     """The notes of ``table.md``: what in this run stands in for the paper's protocol (evaluators
-    standing in for the paper's, the yes/no prompt alignment, the expected score), that the
-    answers of URL evaluators are cached by URL and served model name only, what is not scored
-    and why, and ``extra``."""
+    standing in for the paper's, the yes/no prompt alignment, the expected score), which
+    prompt-alignment and aesthetics scorer ran (T2IS), that the answers of URL evaluators are
+    cached by URL and served model name only, what is not scored and why, and ``extra``."""
     notes = []
     stand = [f"`{n}` for {e['stand_in_for']}" for n, e in evaluators.items() if e.get("stand_in_for")]
     if stand:
@@ -104,6 +104,14 @@ def stand_in_notes(protocol: str, cfg: Any, evaluators: Mapping[str, Mapping[str
     if protocol == "t2is" and cfg.t2is.prompt_alignment == "yes_no":
         notes.append("prompt alignment: the VQAScore question as each evaluator's yes/no log-prob, an approximation "
                      "of the official clip-flant5-xxl VQAScore")
+    if protocol == "t2is" and cfg.t2is.prompt_alignment == "t2v_metrics":
+        notes.append("prompt alignment: the official VQAScore (t2v_metrics clip-flant5-xxl, T2IS_Eval/vqa_alignment.py), "
+                     "independent of the VC evaluator: the same Entity / Attribute / Relation in every row of a variant")
+    if protocol == "t2is" and cfg.t2is.aesthetics == "laion":
+        notes.append("aesthetics: the LAION aesthetic predictor (sac+logos+ava1-l14-linearMSE on CLIP ViT-L/14 image "
+                     "embeddings), a stand-in (the released T2IS code has no aesthetics metric): per case the mean over "
+                     "its panels, then the mean over cases, divided by 10 (the AVA scale; the paper's scaling is not "
+                     "published); Avg = 0.2 Aes + 0.3 PA + 0.5 VC is inferred from paper Table 3")
     if protocol == "gedit" and cfg.gedit.scoring == "expected_score":
         notes.append("SC and PQ: the expected score over the first token's log-probs of 0..10 (a stand-in for the "
                       "VIEScore JSON reply, which a tiny model cannot write)")

@@ -37,9 +37,15 @@ class BenchmarkEvaluatorParams(_Section):
     ``evaluator_qwen: Qwen/Qwen2.5-VL-7B-Instruct``). A URL (``http://host:8000/v1``): that server,
     asked for ``served_model_name``; ``model`` is then unused (may be null).
 
+    ``backend``: ``openai`` (the above: a URL or a server the stage starts) or ``transformers``
+    (``model`` loaded in the stage's process with ``judge_endpoint.server``'s device, dtype and
+    ``max_model_len``, no server: :class:`paco.benchmark.local_evaluator.LocalEvaluator`; any
+    number of images and text replies, for GPU nodes without vLLM; ``url`` and ``api_key_env``
+    null).
+
     Raises (validation):
         ValueError: ``url`` null without ``model``; ``model`` of neither form; a URL that is not
-            http(s).
+            http(s); ``backend: transformers`` with a url, an ``api_key_env`` or no model.
     """
 
     model: str | None = Field(None, description="data/reward_merge/model or data/models/<role> (served by the stage "
@@ -48,6 +54,9 @@ class BenchmarkEvaluatorParams(_Section):
     served_model_name: str = Field(min_length=1, description="the model name asked for (--served-model-name)")
     api_key_env: str | None = Field(None, description="NAME of the env variable holding the key (a url's)")
     stand_in_for: str | None = Field(None, description="the paper's evaluator this one stands in for (table.md)")
+    backend: Literal["openai", "transformers"] = Field(
+        "openai", description="openai: the url, or a server of model the stage starts; transformers: model in the "
+        "stage's process (judge_endpoint.server's device and dtype), no server")
 
     @field_validator("model")
     @classmethod
@@ -63,17 +72,48 @@ class BenchmarkEvaluatorParams(_Section):
             raise ValueError("url is null (the stage serves the evaluator) but no model is given")
         if self.url is not None and not re.fullmatch(r"https?://\S+", self.url):
             raise ValueError(f"url {self.url!r}: write http(s)://host:port/v1, or null to serve model")
+        if self.backend == "transformers" and (self.url is not None or self.api_key_env is not None):
+            raise ValueError("backend transformers loads model in the stage's process: url and api_key_env must "
+                             "be null")
         return self
 
 
 class T2ISProtocolParams(_Section):
     """T2IS-Bench (``protocol: t2is``): visual consistency always (chengyou-jia/T2IS
-    ``test_prompt_consistency.py``); prompt alignment ``none`` (not scored: the metrics are null)
-    or ``yes_no`` (the VQAScore question as a yes/no log-prob of each evaluator, an approximation of
-    the official ``clip-flant5-xxl`` VQAScore, on the cases whose prompts carry Entity / Attribute
-    / Relation criteria). Aesthetics are never scored (the released code has no such metric)."""
+    ``test_prompt_consistency.py``); prompt alignment, on the cases whose prompts carry Entity /
+    Attribute / Relation criteria: ``none`` (not scored: the metrics are null), ``yes_no`` (the
+    VQAScore question as a yes/no log-prob of each evaluator, an approximation) or ``t2v_metrics``
+    (the official ``clip-flant5-xxl`` VQAScore, ``vqa_alignment.py``: the GPU extra
+    ``paco-pipeline[t2v]``, :mod:`paco.benchmark.vqascore`). Aesthetics (the released code has no
+    such metric): ``none``, or ``laion`` (the LAION aesthetic predictor, a stand-in:
+    :mod:`paco.benchmark.aesthetics`) with ``aesthetics_clip``, a ``data/models/<role>`` holding
+    ``openai/clip-vit-large-patch14``, and ``aesthetics_weights``, the path of
+    ``sac+logos+ava1-l14-linearMSE.pth`` (or a ``data/models/<role>`` directory holding it).
 
-    prompt_alignment: Literal["none", "yes_no"] = "none"
+    Raises (validation):
+        ValueError: ``laion`` without both paths, ``aesthetics_clip`` not a ``data/models/<role>``,
+            or a path given with ``aesthetics: none``.
+    """
+
+    prompt_alignment: Literal["none", "yes_no", "t2v_metrics"] = "none"
+    aesthetics: Literal["none", "laion"] = "none"
+    aesthetics_clip: str | None = Field(None, description="laion: data/models/<role> of openai/clip-vit-large-patch14")
+    aesthetics_weights: str | None = Field(None, description="laion: sac+logos+ava1-l14-linearMSE.pth (a file path, "
+                                           "or a data/models/<role> directory holding it)")
+
+    @model_validator(mode="after")
+    def _aesthetics(self) -> T2ISProtocolParams:
+        paths = (self.aesthetics_clip, self.aesthetics_weights)
+        if self.aesthetics == "none" and any(p is not None for p in paths):
+            raise ValueError("aesthetics is none: aesthetics_clip and aesthetics_weights must be null")
+        if self.aesthetics == "laion":
+            if any(p is None or not p.strip() for p in paths):
+                raise ValueError("aesthetics laion needs aesthetics_clip (data/models/<role>) and aesthetics_weights "
+                                 "(the sac+logos+ava1-l14-linearMSE.pth path)")
+            if not ROLE_PATH.fullmatch(self.aesthetics_clip):
+                raise ValueError(f"aesthetics_clip {self.aesthetics_clip!r}: write data/models/<role> (a models role "
+                                 "holding openai/clip-vit-large-patch14)")
+        return self
 
 
 class GEditProtocolParams(_Section):
@@ -105,7 +145,9 @@ class BenchmarkParams(_Section):
     by the yes/no and expected-score questions).
 
     Raises (validation):
-        ValueError: no evaluator, a bad evaluator name, or a protocol whose dataset is not ``dataset``.
+        ValueError: no evaluator, a bad evaluator name, a protocol whose dataset is not ``dataset``,
+            or ``resources.processes`` or ``nodes`` other than 1 (the stage is launched by :mod:`paco.core.launch`
+            as one process).
     """
 
     protocol: Literal["t2is", "gedit"]
@@ -133,6 +175,9 @@ class BenchmarkParams(_Section):
 
     @model_validator(mode="after")
     def _protocol_dataset(self) -> BenchmarkParams:
+        if (self.resources.processes, self.resources.nodes) != (1, 1):
+            raise ValueError(f"resources.processes {self.resources.processes}, nodes {self.resources.nodes}: the "
+                             "benchmark is one process on one node (its evaluators are asked in turn); write 1 and 1")
         if PROTOCOL_DATASET[self.protocol] != self.dataset:
             raise ValueError(f"protocol {self.protocol!r} scores dataset {PROTOCOL_DATASET[self.protocol]!r}, "
                              f"not {self.dataset!r}")
@@ -142,8 +187,8 @@ class BenchmarkParams(_Section):
 def check_benchmark(params: object) -> None:
     """The checks of ``benchmark:`` against the other sections of a :class:`paco.core.params.Params`
     (called by its validator): each ``benchmark.<k>`` is a ``final_samples.<k>`` of the same
-    ``dataset`` whose ``seeds_per_prompt`` it does not exceed; an evaluator's
-    ``data/models/<role>`` is a ``models`` role; a member that serves an evaluator with
+    ``dataset`` whose ``seeds_per_prompt`` it does not exceed; an evaluator's (and
+    ``t2is.aesthetics_clip``'s / ``aesthetics_weights``') ``data/models/<role>`` is a ``models`` role; a member that serves an evaluator with
     ``judge_endpoint.server.engine: vllm`` has ``resources.gpus`` >= ``max(judge_endpoint.server.gpus, 1)``
     (the evaluators are served one after the other on the member's own GPUs).
 
@@ -169,7 +214,12 @@ def check_benchmark(params: object) -> None:
             if role is not None and role[1] not in roles:
                 raise ValueError(f"benchmark.{key}.evaluators.{name}.model {ev.model!r}: {role[1]!r} is not a models "
                                  f"role {sorted(roles)} (the models stage fetches an evaluator as a role)")
-            served = served or ev.url is None
+            served = served or (ev.url is None and ev.backend == "openai")
+        for field in ("aesthetics_clip", "aesthetics_weights"):
+            role = ROLE_PATH.fullmatch(getattr(cfg.t2is, field) or "")
+            if role is not None and role[1] not in roles:
+                raise ValueError(f"benchmark.{key}.t2is.{field} {getattr(cfg.t2is, field)!r}: {role[1]!r} is not a "
+                                 f"models role {sorted(roles)}")
         need = max(server.gpus, 1)
         if served and server.engine == "vllm" and cfg.resources.gpus < need:
             raise ValueError(f"benchmark.{key}.resources.gpus {cfg.resources.gpus}: {need} needed to serve an "
