@@ -156,11 +156,17 @@ def test_the_cache_answers_without_a_forward_pass_and_keys_on_the_backend(tiny, 
 def test_bad_configurations_are_named_errors(tiny, tmp_path):
     from paco.core.params.benchmark import BenchmarkEvaluatorParams
 
-    with pytest.raises(ModelDirectoryError, match="no config.json"):
+    # the shared checks of paco.models.loading (check_transformers_dir), at construction
+    with pytest.raises(ModelDirectoryError, match=r"evaluator 'tiny': model directory .*missing does not exist"):
         LocalEvaluator("tiny", tmp_path / "missing", "m")
     (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelDirectoryError, match=r"incomplete, missing \['config.json'"):
+        LocalEvaluator("tiny", tmp_path / "empty", "m")
     (tmp_path / "empty" / "config.json").write_text("{}")
-    with pytest.raises(ModelDirectoryError, match="holds no weights"):
+    with pytest.raises(ModelDirectoryError, match=r"incomplete, missing \['model.safetensors or .*pytorch_model.bin"):
+        LocalEvaluator("tiny", tmp_path / "empty", "m")
+    (tmp_path / "empty" / "model.safetensors").write_bytes(b"\x00" * 4)
+    with pytest.raises(ModelDirectoryError, match="not a safetensors file"):
         LocalEvaluator("tiny", tmp_path / "empty", "m")
     with pytest.raises(ValueError, match="dtype"):
         LocalEvaluator("tiny", tiny, "m", dtype="int8")
@@ -257,3 +263,28 @@ def test_params_transformers_evaluators_need_no_vllm_gpus_and_no_url():
     raw["benchmark"]["t2is"]["evaluators"]["base"]["url"] = "http://gpu-node:8000/v1"
     with pytest.raises(ParamsError, match=r"benchmark\.t2is\.evaluators\.base.*url and api_key_env must be null"):
         validate_params(raw)
+
+
+def test_the_shared_loader_gives_the_qwen_model_and_image_only_processor(tiny, tmp_path):
+    """paco.models.loading.load_image_text_to_text: the concrete Qwen2.5-VL class in the asked
+    dtype, in eval mode, with the torchvision-free processor; a checkpoint with more layers than
+    the config is a WeightsMismatchError naming the concrete class."""
+    import shutil
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from paco.models.loading import Qwen2_5_VLImageOnlyProcessor, WeightsMismatchError, load_image_text_to_text
+
+    model, processor = load_image_text_to_text(tiny, dtype=torch.bfloat16)
+    assert type(model) is Qwen2_5_VLForConditionalGeneration and not model.training
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert type(processor) is Qwen2_5_VLImageOnlyProcessor
+    other = shutil.copytree(tiny, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    assert config["text_config"]["num_hidden_layers"] == 2
+    config["text_config"]["num_hidden_layers"] = 1  # the checkpoint's layer 1 is then unexpected
+    config["text_config"]["layer_types"] = config["text_config"]["layer_types"][:1]
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsMismatchError, match=r"evaluator: the weights in .* do not match "
+                                                   r"Qwen2_5_VLForConditionalGeneration: \d+ unexpected tensor"):
+        load_image_text_to_text(other, what="evaluator")

@@ -264,3 +264,41 @@ def test_prompt_parser_alignment_field(tmp_path):
     # a set without alignment keeps exactly the old columns (the default's prompts.parquet bytes)
     (tmp_path / "none.jsonl").write_text(json.dumps(base) + "\n", encoding="utf-8")
     assert list(P.read_t2is_jsonl(tmp_path / "none.jsonl").columns) == P.PROMPT_COLUMNS
+
+
+def test_the_two_readers_of_the_official_files_share_the_reading_and_differ_on_missing_criteria(tmp_path):
+    """paco.data.t2is_bench_files reads the files for both the importer and the benchmark's
+    load_official_bench, each with its own error class. A case missing from
+    prompt_consistency.json: the importer refuses it (a row needs VC criteria), the benchmark
+    keeps it with criteria {} (VC skips it, PA still scores its alignment)."""
+    from paco.benchmark.t2is_bench import CriteriaFormatError
+    from paco.benchmark.t2is_panels import load_official_bench
+    from paco.data.t2is_bench_files import T2ISBenchFileError, load_official_json, official_criteria
+
+    consistency = {k: v for k, v in CONSISTENCY.items() if k != "0001_0001"}
+    paths = _files(tmp_path, consistency=consistency)
+    with pytest.raises(T2ISBenchImportError, match="'0001_0001': not in prompt_consistency.json"):
+        _convert(paths)
+    cases, report = load_official_bench(paths["bench"], paths["consistency"], paths["alignment"])
+    assert [(c["case_id"], c["criteria"], c["alignment"] is None) for c in cases] == [
+        ("0001_0001", {}, False), ("0004_0002", EXPECTED_CRITERIA["t2is-0004_0002"], True)]
+    assert report["dropped_dimensions"] == [{"case_id": "0004_0002", "dimension": "Logic"}]
+    assert report["dropped_criteria"] == [{"case_id": "0004_0002", "dimension": "Logic", "criterion": "Empty"}]
+    # the shared reading itself: first object only, null / blank dropped and listed; a BOM is read
+    report = {"dropped_criteria": [], "dropped_dimensions": [], "ignored_extra_objects": []}
+    assert official_criteria("0001_0001", CONSISTENCY["0001_0001"], report) == \
+        EXPECTED_CRITERIA["t2is-0001_0001"]
+    assert report == {"dropped_criteria": [{"case_id": "0001_0001", "dimension": "Identity", "criterion": "Gone"}],
+                      "dropped_dimensions": [],
+                      "ignored_extra_objects": [{"case_id": "0001_0001", "dimension": "Style", "count": 1}]}
+    (tmp_path / "bom.json").write_text("\ufeff" + json.dumps(BENCH), encoding="utf-8")
+    assert load_official_json(tmp_path / "bom.json", "T2IS-Bench.json") == BENCH
+    # each caller's error class, same message
+    bad = {"0001_0001": {"Style": [{"Tone": 3}]}}
+    for error in (T2ISBenchFileError, T2ISBenchImportError, CriteriaFormatError):
+        with pytest.raises(error, match=r"prompt_consistency\['0001_0001'\]\['Style'\]\['Tone'\] must be a string"):
+            official_criteria("0001_0001", bad["0001_0001"], report, error=error)
+    with pytest.raises(CriteriaFormatError, match=r"\['Style'\]\['Tone'\] must be a string"):
+        load_official_bench(BENCH, bad)
+    with pytest.raises(T2ISBenchFileError, match="prompt_alignment.json: must be a JSON object keyed by case id"):
+        load_official_json([1], "prompt_alignment.json")

@@ -47,7 +47,6 @@ answers are all cached loads nothing.
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -57,9 +56,9 @@ import torch
 from paco.benchmark.answer_cache import AnswerCache
 from paco.benchmark.evaluator import Evaluator, EvaluatorContextLengthError
 from paco.core.io import decode_image
-from paco.models.loading import ModelDirectoryError, check_loading_info, check_weight_files
+from paco.models.loading import check_transformers_dir, load_image_text_to_text
 
-__all__ = ["BACKEND", "DTYPES", "LocalEvaluator", "chat_messages", "check_model_dir", "load_vlm"]
+__all__ = ["BACKEND", "DTYPES", "LocalEvaluator", "chat_messages"]
 
 #: this backend's name in the params (``benchmark.<k>.evaluators.<name>.backend``) and cache keys
 BACKEND = "transformers"
@@ -79,51 +78,6 @@ def chat_messages(images: list[Any], text: str, *, text_first: bool = False) -> 
     items = [{"type": "image", "image": im} for im in images]
     item = {"type": "text", "text": text}
     return [{"role": "user", "content": [item, *items] if text_first else [*items, item]}]
-
-
-def check_model_dir(path: str | Path, what: str) -> Path:
-    """``path`` as a :class:`~pathlib.Path` if it holds ``config.json`` and complete weights
-    (:func:`paco.models.loading.check_weight_files`: safetensors headers and sizes, index shards).
-
-    Raises:
-        ModelDirectoryError: no ``config.json``, no weights file, or a weights file unreadable
-            or incomplete; the message names ``what`` and the path.
-    """
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ModelDirectoryError(f"{what}: {path} holds no model (no config.json)")
-    if not check_weight_files(path, what):
-        raise ModelDirectoryError(f"{what}: {path} holds no weights (no model.safetensors, pytorch_model.bin or "
-                                  "index of shards)")
-    return path
-
-
-def load_vlm(path: str | Path, *, dtype: str = "float32") -> tuple[Any, Any]:
-    """``(model in eval mode on CPU, processor)`` of a vision-language model directory:
-    ``AutoModelForImageTextToText`` with its weights checked as every model of the project
-    (:func:`paco.models.loading.check_weight_files`, :func:`~paco.models.loading.check_loading_info`),
-    and its processor: :func:`paco.models.loading.load_qwen_vl_processor` for ``qwen2_5_vl``
-    (the stock processor for images, without torchvision), else ``AutoProcessor``.
-
-    Raises:
-        ValueError: ``dtype`` not one of :data:`DTYPES`.
-        ModelDirectoryError: no directory, no ``config.json`` or no complete weights.
-        paco.models.loading.WeightsMismatchError: the checkpoint's tensors are not the model's.
-    """
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from paco.models.loading import load_qwen_vl_processor
-
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: one of {sorted(DTYPES)}")
-    path = check_model_dir(path, "evaluator")
-    model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
-    processor = (load_qwen_vl_processor(path) if model_type == "qwen2_5_vl"
-                 else AutoProcessor.from_pretrained(str(path), local_files_only=True))
-    model, info = AutoModelForImageTextToText.from_pretrained(str(path), local_files_only=True,
-                                                              output_loading_info=True, dtype=DTYPES[dtype])
-    check_loading_info(info, "evaluator", path, type(model).__name__)
-    return model.eval(), processor
 
 
 class LocalEvaluator(Evaluator):
@@ -147,7 +101,9 @@ class LocalEvaluator(Evaluator):
     Raises:
         ValueError: an empty name or model, ``top_logprobs`` < 1, an unknown ``dtype`` or
             ``device``, ``max_model_len`` < 2.
-        ModelDirectoryError: ``model_dir`` has no ``config.json`` or no complete weights.
+        paco.models.loading.ModelDirectoryError: ``model_dir`` does not exist or has no
+            ``config.json`` or no complete weights
+            (:func:`paco.models.loading.check_transformers_dir`).
         paco.benchmark.answer_cache.AnswerCacheError: the cache directory cannot be used.
     """
 
@@ -165,7 +121,7 @@ class LocalEvaluator(Evaluator):
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                           or max_model_len < 2):
             raise ValueError(f"evaluator {name!r}: max_model_len must be an int >= 2 or None, got {max_model_len!r}")
-        self.model_dir = check_model_dir(model_dir, f"evaluator {name!r}")
+        self.model_dir = check_transformers_dir(model_dir, f"evaluator {name!r}")
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.base_url = f"transformers:{self.model_dir}"
         self.cache = cache if isinstance(cache, AnswerCache) else AnswerCache(cache, part=cache_part)
@@ -195,15 +151,18 @@ class LocalEvaluator(Evaluator):
 
     def load(self) -> None:
         """Load the model and processor onto ``device`` (once; later calls return at once; safe
-        from several threads).
+        from several threads): :func:`paco.models.loading.load_image_text_to_text`
+        (``AutoModelForImageTextToText``, weights checked; the image-only Qwen2.5-VL processor for
+        ``qwen2_5_vl``, without torchvision, else ``AutoProcessor``) in :data:`DTYPES` [``dtype``].
 
         Raises:
-            ModelDirectoryError, paco.models.loading.WeightsMismatchError: see :func:`load_vlm`.
+            paco.models.loading.ModelDirectoryError, paco.models.loading.WeightsMismatchError:
+                see :func:`~paco.models.loading.load_image_text_to_text`.
         """
         with self._load_lock:
             if self._model is not None:
                 return
-            model, processor = load_vlm(self.model_dir, dtype=self.dtype)
+            model, processor = load_image_text_to_text(self.model_dir, dtype=DTYPES[self.dtype], what="evaluator")
             device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
             self._processor, self._model = processor, model.to(device)
 

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from paco.benchmark.t2is_bench import (
     parse_criteria,
 )
 from paco.data.subfigures import crop_panels, split_grid
+from paco.data.t2is_bench_files import load_official_files, official_criteria
 
 __all__ = [
     "VC_REQUESTED_SIDE", "QWEN_PATCH_FACTOR", "cut_panels", "vc_image_side", "resize_for_vc",
@@ -175,76 +175,31 @@ def write_official_layout(panels: Sequence[Image.Image], case_id: str, out_dir: 
     return paths
 
 
-def _load_json(obj: Any, what: str) -> Any:
-    if isinstance(obj, (str, Path)):
-        try:
-            return json.loads(Path(obj).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise CriteriaFormatError(f"{what}: cannot read {obj}: {e}") from None
-        except json.JSONDecodeError as e:
-            raise CriteriaFormatError(f"{what}: {obj} is not valid JSON: {e.msg} (line {e.lineno})"
-                                      ) from None
-    return obj
-
-
-def _official_criteria(cid: str, entry: Any, report: dict[str, list]) -> dict[str, dict[str, str]]:
-    """``{dim: [{name: text}]}`` -> ``{dim: {name: text}}``; line 111 reads only element 0."""
-    if entry is None:  # lines 70-71: criteria_data.get(case_id, {}) falsy -> the case is skipped
-        return {}
-    if not isinstance(entry, Mapping):
-        raise CriteriaFormatError(f"prompt_consistency[{cid!r}] must be an object")
-    out = {}
-    for dim, lst in entry.items():
-        if not isinstance(lst, Sequence) or isinstance(lst, str) or not lst \
-                or not isinstance(lst[0], Mapping):
-            raise CriteriaFormatError(f"prompt_consistency[{cid!r}][{dim!r}] must be a list "
-                                      "whose first element is an object {name: text}")
-        if len(lst) > 1:
-            report["ignored_extra_objects"].append({"case_id": cid, "dimension": dim,
-                                                    "count": len(lst) - 1})
-        kept = {}
-        for name, text in lst[0].items():
-            if text is None or (isinstance(text, str) and not text.strip()):
-                # the official code would ask about the literal text "None"; dropped and listed
-                report["dropped_criteria"].append({"case_id": cid, "dimension": dim,
-                                                   "criterion": name})
-            else:
-                kept[name] = text
-        if kept:
-            out[dim] = kept
-    return parse_criteria(out)
-
-
 def load_official_bench(dataset: Any, consistency: Any, alignment: Any = None
                         ) -> tuple[list[dict[str, Any]], dict[str, list]]:
     """Cases from T2IS-Bench's own files (``T2IS-Bench.json``, ``prompt_consistency.json``,
-    optionally ``prompt_alignment.json``; paths or decoded objects).
+    optionally ``prompt_alignment.json``; paths or decoded objects), read as the official
+    scripts read them (:mod:`paco.data.t2is_bench_files`: the layouts; alignment sub-entries in
+    file order are the panels, vqa_alignment.py:61-64).
 
-    Layouts, as the official scripts read them: dataset ``{case_id: {"output_image_count": n,
-    "task_name_case_id": str, ...}}`` (test_prompt_consistency.py:61, 95, 190-191);
-    consistency ``{case_id: {dimension: [{name: text}]}}`` (lines 70, 111: only the list's
-    first object is read); alignment ``{case_id: {sub_id: {"Entity": [text], "Attribute":
-    [...], "Relation": [...]}}}`` (vqa_alignment.py:61-64: sub-entries in file order are the
-    panels).
+    A case missing from ``prompt_consistency.json`` (or null there, or whose every criterion is
+    null or blank) is kept with criteria ``{}``: VC skips it as test_prompt_consistency.py
+    lines 69-73 do, PA still scores its alignment (the importer
+    :mod:`paco.data.t2is_bench_import` refuses such a case instead).
 
     Returns:
         ``(cases, report)``: one case per dataset entry in file order (``n_panels`` =
         ``output_image_count``, the expected panels; ``criteria`` ``{}`` where the case has
         none, which :func:`aggregate_vc` skips as the official code does;
-        ``task_name_case_id``), and ``{"dropped_criteria": [...], "ignored_extra_objects":
-        [...], "alignment_without_case": [case_id]}``.
+        ``task_name_case_id``), and ``{"dropped_criteria": [...], "dropped_dimensions": [...],
+        "ignored_extra_objects": [...], "alignment_without_case": [case_id]}``
+        (:func:`paco.data.t2is_bench_files.official_criteria`).
 
     Raises:
         CriteriaFormatError: unreadable or invalid JSON, or an entry of the wrong shape.
     """
-    dataset = _load_json(dataset, "T2IS-Bench.json")
-    consistency = _load_json(consistency, "prompt_consistency.json")
-    alignment = _load_json(alignment, "prompt_alignment.json") if alignment is not None else {}
-    for what, obj in (("T2IS-Bench.json", dataset), ("prompt_consistency.json", consistency),
-                      ("prompt_alignment.json", alignment)):
-        if not isinstance(obj, Mapping):
-            raise CriteriaFormatError(f"{what} must be a JSON object keyed by case id")
-    report: dict[str, list] = {"dropped_criteria": [], "ignored_extra_objects": [],
+    dataset, consistency, alignment = load_official_files(dataset, consistency, alignment, error=CriteriaFormatError)
+    report: dict[str, list] = {"dropped_criteria": [], "dropped_dimensions": [], "ignored_extra_objects": [],
                                "alignment_without_case": sorted(set(alignment) - set(dataset))}
     cases = []
     for cid, meta in dataset.items():
@@ -252,7 +207,9 @@ def load_official_bench(dataset: Any, consistency: Any, alignment: Any = None
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise CriteriaFormatError(f"T2IS-Bench.json[{cid!r}]: output_image_count must be "
                                       f"an int >= 0, got {n!r}")
-        crit = _official_criteria(cid, consistency[cid], report) if cid in consistency else {}
+        entry = consistency.get(cid)  # lines 70-71: criteria_data.get(case_id, {}) falsy -> VC skips the case
+        crit = {} if entry is None else parse_criteria(official_criteria(cid, entry, report,
+                                                                         error=CriteriaFormatError))
         al = alignment.get(cid)
         if al is not None and not isinstance(al, Mapping):
             raise CriteriaFormatError(f"prompt_alignment[{cid!r}] must be an object {{sub_id: criteria}}")

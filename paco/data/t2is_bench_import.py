@@ -10,13 +10,8 @@ The inputs
 ----------
 * ``T2IS-Bench.json``, ``prompt_consistency.json``, ``prompt_alignment.json``: the Hugging Face
   dataset ``ChengyouJia/T2IS-Bench`` (chengyou-jia/T2IS ``T2IS_Eval/README.md``: "Download the
-  following files"). The official scripts read, and this module reads, only: the dataset
-  ``{case_id: {"output_image_count": n, "task_name_case_id": str, ...}}``
-  (``T2IS_Eval/test_prompt_consistency.py`` lines 61, 95, 190-191); the consistency criteria
-  ``{case_id: {dimension: [{name: text}]}}``, of which line 111 reads only the list's first
-  object; the alignment criteria ``{case_id: {sub_id: {"Entity": [text], "Attribute": [...],
-  "Relation": [...]}}}``, the sub-ids in file order being panels 0, 1, ...
-  (``T2IS_Eval/vqa_alignment.py`` lines 7, 61-64).
+  following files"), read as the official scripts read them by :mod:`paco.data.t2is_bench_files`
+  (their layouts; where this importer and the benchmark's reader of the same files differ).
 * ``--grid-prompts``: T2IS-Bench ships the user *instructions*, not the grid prompts with
   panel tags a generator is given (its own AutoT2IS plans those with an LLM; the T2IS README's
   example prompt ``"THREE-PANEL Images with a 1x3 grid layout ... [LEFT]: ..."``). The grid
@@ -40,9 +35,11 @@ One output record per dataset case, in the dataset's order, keyed ``idx`` = the 
 * ``category`` and ``task_name`` from the case id's first four digits (:data:`T2IS_TASKS`, the
   dataset card's "Supported Tasks" list); a grid-prompt row that says otherwise is an error.
 * ``criteria`` from ``prompt_consistency.json``: each dimension's first object (the official
-  reading); a null or blank text is dropped and listed (the official script would ask about the
-  text ``"None"``); a dimension left with none is dropped and listed; further objects in a
-  dimension's list are ignored and listed.
+  reading, :func:`paco.data.t2is_bench_files.official_criteria`); a case not in that file, or
+  left with no criterion, is an error (a prompt row needs VC criteria); a null or blank text
+  is dropped and listed (the official script would ask about the text ``"None"``); a dimension
+  left with none is dropped and listed; further objects in a dimension's list are ignored and
+  listed.
 * ``alignment``: the case's sub-entries in file order, exactly the keys ``Entity``,
   ``Attribute``, ``Relation`` (other keys are left out and listed), one per panel.
 
@@ -69,6 +66,7 @@ from typing import Any
 from paco.core.io import ArtifactError, iter_text_lines
 from paco.data.panel_prompts import PromptFormatError, parse_layout
 from paco.data.prompts import ALIGNMENT_COLUMN, PA_DIMENSIONS, parse_record
+from paco.data.t2is_bench_files import load_official_files, official_criteria
 
 __all__ = ["T2IS_TASKS", "LAYOUT_OF_COUNT", "PANEL_SIDE", "T2ISBenchImportError", "layout_for_count",
            "convert", "write_jsonl", "main"]
@@ -118,18 +116,6 @@ def layout_for_count(n: Any) -> tuple[int, int]:
     return LAYOUT_OF_COUNT[n]
 
 
-def _load_json(path: str | Path, what: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8-sig"))
-    except OSError as e:
-        raise T2ISBenchImportError(f"{what}: cannot read {path}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise T2ISBenchImportError(f"{what}: {path} is not valid JSON: {e.msg} (line {e.lineno})") from None
-    if not isinstance(obj, dict):
-        raise T2ISBenchImportError(f"{what}: {path} must be a JSON object keyed by case id")
-    return obj
-
-
 def _load_grid_prompts(path: str | Path, key: str) -> dict[str, dict[str, Any]]:
     if not Path(path).is_file():
         raise T2ISBenchImportError(f"grid prompts: no such file {path}")
@@ -153,27 +139,7 @@ def _load_grid_prompts(path: str | Path, key: str) -> dict[str, dict[str, Any]]:
 
 
 def _criteria(cid: str, entry: Any, report: dict[str, list]) -> dict[str, dict[str, str]]:
-    if not isinstance(entry, Mapping):
-        raise T2ISBenchImportError(f"prompt_consistency[{cid!r}] must be an object {{dimension: [{{name: text}}]}}")
-    out: dict[str, dict[str, str]] = {}
-    for dim, lst in entry.items():
-        if not isinstance(lst, list) or not lst or not isinstance(lst[0], Mapping):
-            raise T2ISBenchImportError(f"prompt_consistency[{cid!r}][{dim!r}] must be a list whose first "
-                                       "element is an object {name: text}")
-        if len(lst) > 1:
-            report["ignored_extra_objects"].append({"case_id": cid, "dimension": dim, "count": len(lst) - 1})
-        kept = {}
-        for name, text in lst[0].items():
-            if text is None or (isinstance(text, str) and not text.strip()):
-                report["dropped_criteria"].append({"case_id": cid, "dimension": dim, "criterion": name})
-            elif not isinstance(text, str):
-                raise T2ISBenchImportError(f"prompt_consistency[{cid!r}][{dim!r}][{name!r}] must be a string")
-            else:
-                kept[name] = text
-        if kept:
-            out[dim] = kept
-        else:
-            report["dropped_dimensions"].append({"case_id": cid, "dimension": dim})
+    out = official_criteria(cid, entry, report, error=T2ISBenchImportError)
     if not out:
         raise T2ISBenchImportError(f"case {cid!r}: no consistency criterion with text")
     return out
@@ -263,9 +229,7 @@ def convert(bench: str | Path, consistency: str | Path, grid_prompts: str | Path
     """
     if isinstance(panel_side, bool) or not isinstance(panel_side, int) or panel_side < 1:
         raise T2ISBenchImportError(f"panel_side must be an int >= 1, got {panel_side!r}")
-    dataset = _load_json(bench, "T2IS-Bench.json")
-    crit = _load_json(consistency, "prompt_consistency.json")
-    align = _load_json(alignment, "prompt_alignment.json") if alignment is not None else {}
+    dataset, crit, align = load_official_files(bench, consistency, alignment, error=T2ISBenchImportError)
     grid = _load_grid_prompts(grid_prompts, match_key)
     orphans = sorted(set(align) - set(dataset))
     if orphans:

@@ -201,7 +201,7 @@ def _from_pretrained_checked(cls: Any, path: Path, what: str, **kwargs: Any) -> 
     (:func:`check_weight_files`, :func:`check_loading_info`)."""
     check_weight_files(path, what)
     model, info = cls.from_pretrained(str(path), local_files_only=True, output_loading_info=True, **kwargs)
-    check_loading_info(info, what, path, cls.__name__)
+    check_loading_info(info, what, path, type(model).__name__)  # the concrete class where cls is an Auto class
     return model
 
 
@@ -311,6 +311,63 @@ def load_judge(path: str | Path, dtype: torch.dtype = torch.float32):
     model = _from_pretrained_checked(Qwen2_5_VLForConditionalGeneration, path, "judge", dtype=dtype)
     model.eval()
     return model, processor
+
+
+# --------------------------------------------------------------------------------------------
+# any image-text-to-text model (the benchmarks' in-process evaluator)
+# --------------------------------------------------------------------------------------------
+
+#: the weights a transformers model directory may have: a single file or an index of shards
+_TRANSFORMERS_WEIGHTS = _WEIGHTS + ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+
+
+def check_transformers_dir(path: str | Path, what: str) -> Path:
+    """``path`` as a :class:`~pathlib.Path` if it is a transformers model directory with
+    ``config.json`` and complete weights (``model.safetensors``, ``pytorch_model.bin`` or an index
+    of either's shards; every file checked by :func:`check_weight_files`), before anything is
+    loaded.
+
+    Raises:
+        ModelDirectoryError: ``path`` does not exist, lacks ``config.json`` or a weights file, or
+            a weights file cannot be read or is incomplete; the message names ``what`` and the
+            path or file.
+    """
+    path = _check_dir(path, what, ["config.json"], [_TRANSFORMERS_WEIGHTS])
+    check_weight_files(path, what)
+    return path
+
+
+def load_image_text_to_text(path: str | Path, *, dtype: torch.dtype | str = torch.float32,
+                            what: str = "image-text-to-text model"):
+    """Load a vision-language model directory as ``transformers.AutoModelForImageTextToText``
+    and its processor, weights checked as every model of the project (module docstring).
+
+    The processor is :func:`load_qwen_vl_processor` for ``model_type: qwen2_5_vl`` in
+    ``config.json`` (image-only, no torchvision), else ``AutoProcessor``.
+
+    Args:
+        path: a model directory (:func:`check_transformers_dir`), e.g. ``judge_base``.
+        dtype: parameter dtype (``torch.float32`` on CPU, ``torch.bfloat16`` on GPU), or
+            ``"auto"``: the checkpoint's own ``torch_dtype``.
+        what: the model's role in error messages.
+
+    Returns:
+        ``(model, processor)``: the model class ``config.json`` maps to (for Qwen2.5-VL
+        ``Qwen2_5_VLForConditionalGeneration``) in eval mode on CPU (move it yourself);
+        ``model(**inputs).logits`` has shape ``(batch, seq, vocab_size)``.
+
+    Raises:
+        ModelDirectoryError: see :func:`check_transformers_dir`.
+        WeightsMismatchError: the checkpoint's tensors are not the model's.
+    """
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = _check_dir(path, what, ["config.json"], [_TRANSFORMERS_WEIGHTS])  # the weights: _from_pretrained_checked
+    model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    processor = (load_qwen_vl_processor(path) if model_type == "qwen2_5_vl"
+                 else AutoProcessor.from_pretrained(str(path), local_files_only=True))
+    model = _from_pretrained_checked(AutoModelForImageTextToText, path, what, dtype=dtype)
+    return model.eval(), processor
 
 
 # --------------------------------------------------------------------------------------------
