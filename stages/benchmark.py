@@ -115,8 +115,9 @@ def _score(args: argparse.Namespace, params: Params, cfg, evaluators: list) -> t
 
 def run_identity(params: Params, subtask: str, params_path: str | Path, *, args: argparse.Namespace | None = None,
                  root: str | Path = ".") -> Any:
-    """The member's run identity (:func:`paco.core.run_identity.stage_identity`: its deps, code and
-    params), extended by ``vllm_tensor_parallel_size`` when ``judge_endpoint.server.engine`` is
+    """The identity the member's answer cache is kept under (:func:`paco.core.run_identity.stage_identity`:
+    its deps, code and params, less what changes no evaluator's answer: the t2is scorers' keys,
+    which are the stage's ``evaluation`` keys, and the LAION predictor's files), extended by ``vllm_tensor_parallel_size`` when ``judge_endpoint.server.engine`` is
     ``vllm`` and an evaluator is served by the stage: ``judge_endpoint.server.gpus`` is a launch key
     of the params, yet it becomes the served evaluator's vLLM tensor-parallel size, which changes
     its log-probs, so a change must clear the answer cache (:func:`~paco.benchmark.serving.prepare_answers`).
@@ -131,6 +132,12 @@ def run_identity(params: Params, subtask: str, params_path: str | Path, *, args:
                               params_path, root=root, params=params, args=args)
     server = params.judge_endpoint.server
     cfg = subtask_params(params, "benchmark", subtask)
+    # the LAION predictor's CLIP and weights (any member's: the dependencies are shared) change no
+    # evaluator's answer: out of the identity, as the t2is scorer keys are (the stage's evaluation keys)
+    laion = {f"dep:{p}" for c in params.benchmark.values() for p in (c.t2is.aesthetics_clip, c.t2is.aesthetics_weights)
+             if p is not None}
+    identity = type(identity)(identity.member, {k: v for k, v in identity.parts.items() if k not in laion},
+                              identity.evaluation)
     if server.engine == "vllm" and any(ev.url is None and ev.backend == "openai" for ev in cfg.evaluators.values()):
         identity = identity.extended(vllm_tensor_parallel_size=max(server.gpus, 1))
     return identity
@@ -149,7 +156,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     try:
         if params.judge_endpoint.server.engine == "paco":
             for ev in evaluators:  # nothing cached: it will be asked; its server loads while the questions are made
-                if len(ev.cache) == 0:
+                if len(ev.cache) == 0 and ev.backend == "openai":  # in-process models load in turn, when asked
                     ev.start()
         scores, metrics, report, table, per_evaluator = _score(args, params, cfg, evaluators)
     except EvaluatorError as exc:

@@ -1,12 +1,14 @@
 """T2IS-Bench's optional local scorers (issue 27): the official VQAScore prompt alignment through
-t2v_metrics (paco.benchmark.vqascore; t2v_metrics is not installed here: a stand-in module in
-sys.modules records what the adapter hands it and answers known scores) and the LAION aesthetic
+t2v_metrics in its own environment (paco.benchmark.vqascore runs paco/benchmark/vqascore_worker.py
+as a subprocess; here with this interpreter and a stand-in t2v_metrics package on PYTHONPATH that
+records what the worker hands it and answers known scores) and the LAION aesthetic
 predictor (paco.benchmark.aesthetics: the MLP against numpy, the normalisation, named errors), wired
 through plan_t2is / score_local / score_t2is into metrics and table; the default scores neither."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -31,10 +33,11 @@ from paco.benchmark.aesthetics import (
 from paco.benchmark.t2is_bench import PA_QUESTION
 from paco.benchmark.vqascore import (
     OFFICIAL_MODEL,
+    WEIGHT_REPOS,
+    WORKER,
     VQAScoreError,
     VQAScoreUnavailableError,
-    check_t2v_metrics,
-    load_vqascore,
+    preflight,
     vqascore_panels,
 )
 from paco.core.io import ArtifactError, encode_image
@@ -153,6 +156,14 @@ def test_the_default_scores_no_aesthetics_and_the_params_are_checked():
     assert T2ISProtocolParams().aesthetics == "none"
     ok = T2ISProtocolParams(aesthetics="laion", aesthetics_clip="data/models/clip", aesthetics_weights="w.pth")
     assert ok.aesthetics_weights == "w.pth"
+    vqa = T2ISProtocolParams(prompt_alignment="t2v_metrics", vqascore_python="/opt/t2v/bin/python",
+                             vqascore_cache_dir="data/raw/vqascore_cache")
+    assert (vqa.vqascore_python, vqa.vqascore_cache_dir) == ("/opt/t2v/bin/python", "data/raw/vqascore_cache")
+    for bad in ({"prompt_alignment": "t2v_metrics"}, {"prompt_alignment": "t2v_metrics", "vqascore_python": "p"},
+                {"prompt_alignment": "t2v_metrics", "vqascore_python": " ", "vqascore_cache_dir": "c"},
+                {"prompt_alignment": "yes_no", "vqascore_cache_dir": "c"}):
+        with pytest.raises(ValueError, match="vqascore_python"):
+            T2ISProtocolParams(**bad)
     for bad in ({"aesthetics": "laion", "aesthetics_clip": "data/models/clip"},
                 {"aesthetics": "laion", "aesthetics_clip": "openai/clip-vit-large-patch14", "aesthetics_weights": "w"},
                 {"aesthetics": "none", "aesthetics_weights": "w.pth"}):
@@ -166,71 +177,192 @@ def test_paper_preset_scores_both_with_a_models_role():
     t2is = load_params(ROOT / "workflow/presets/paper.yaml").benchmark["t2is_bench"].t2is
     assert (t2is.prompt_alignment, t2is.aesthetics, t2is.aesthetics_clip) == ("t2v_metrics", "laion", "data/models/clip")
     assert t2is.aesthetics_weights.endswith("sac+logos+ava1-l14-linearMSE.pth")
+    assert (t2is.vqascore_python, t2is.vqascore_cache_dir) == ("/opt/t2v/bin/python", "data/raw/vqascore_cache")
 
 
 # --------------------------------------------------------------------------------------------
-# VQAScore through a stand-in t2v_metrics
+# VQAScore: the real worker, in a subprocess, over a stand-in t2v_metrics package
 # --------------------------------------------------------------------------------------------
 
+#: the stand-in ``t2v_metrics`` (the worker imports it from PYTHONPATH): records its import's
+#: cache variables, its construction and calls in FAKE_T2V_RECORD; FAKE_T2V_MODE picks a failure
+STAND_IN = '''
+import json, os, time
+import numpy as np
+from PIL import Image
 
-def _vqa_rule(path: str, text: str) -> float:
-    """The stand-in's score: the panel's red level and the text's length, in [0, 1)."""
+__version__ = "stand-in"
+MODE = os.environ.get("FAKE_T2V_MODE", "ok")
+
+
+def _record(**kw):
+    with open(os.environ["FAKE_T2V_RECORD"], "a") as f:
+        f.write(json.dumps(kw) + "\\n")
+
+
+_record(event="import", hf_hub_cache=os.environ.get("HF_HUB_CACHE"), offline=os.environ.get("HF_HUB_OFFLINE"))
+
+
+def list_all_vqascore_models():
+    return ["clip-flant5-xl"] if MODE == "unlisted" else ["clip-flant5-xxl", "clip-flant5-xl"]
+
+
+class _Tensor:  # what the worker uses of a torch tensor
+    def __init__(self, rows):
+        self.rows = rows
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def tolist(self):
+        return self.rows
+
+
+def rule(path, text):
     red = np.asarray(Image.open(path).convert("RGB"))[..., 0].mean() / 255
     return float(red / 2 + (len(text) % 10) / 20)
 
 
+class VQAScore:
+    def __init__(self, model, device="cuda", cache_dir="./hf_cache/"):
+        _record(event="init", model=model, device=device, cache_dir=cache_dir)
+        if MODE == "init_raises":
+            raise OSError("stand-in: zhiqiulin/clip-flant5-xxl is not in the cached files")
+
+    def __call__(self, images, texts):
+        _record(event="call", images=images, texts=texts, sizes=[Image.open(p).size for p in images])
+        if MODE == "call_raises":
+            raise RuntimeError("stand-in: CUDA out of memory")
+        if MODE == "hang":
+            time.sleep(60)
+        if MODE == "two_rows":
+            return _Tensor([[0.5] * len(texts)] * 2)
+        if MODE == "out_of_range":
+            return _Tensor([[1.5] * len(texts)])
+        return _Tensor([[rule(p, t) for t in texts] for p in images])
+'''
+
+
+def _vqa_rule(red: int, text: str) -> float:
+    """The stand-in's score of a panel of uniform red level ``red`` (the same float operations)."""
+    return float(np.float64(red) / 255 / 2 + (len(text) % 10) / 20)
+
+
+class FakeT2V:
+    """The stand-in's environment: ``python`` (this interpreter), ``cache_dir`` (a snapshot of
+    each WEIGHT_REPOS repository), ``mode(name)`` and ``record()``."""
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch):
+        (root / "site" / "t2v_metrics").mkdir(parents=True)
+        (root / "site" / "t2v_metrics" / "__init__.py").write_text(STAND_IN)
+        self.python, self.cache_dir, self.log = sys.executable, root / "cache", root / "record.jsonl"
+        for repo in WEIGHT_REPOS[OFFICIAL_MODEL]:
+            (self.cache_dir / f"models--{repo.replace('/', '--')}" / "snapshots" / "abc123").mkdir(parents=True)
+        self.monkeypatch = monkeypatch
+        monkeypatch.setenv("PYTHONPATH", str(root / "site"))
+        monkeypatch.setenv("FAKE_T2V_RECORD", str(self.log))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the adapter sets it for the worker
+        self.mode("ok")
+
+    def mode(self, name: str) -> None:
+        self.monkeypatch.setenv("FAKE_T2V_MODE", name)
+
+    def record(self, event: str | None = None) -> list[dict]:
+        rows = [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.is_file() else []
+        return [r for r in rows if event is None or r["event"] == event]
+
+    def kwargs(self) -> dict:
+        return {"python": self.python, "cache_dir": self.cache_dir}
+
+
 @pytest.fixture
-def fake_t2v(monkeypatch):
-    """A ``t2v_metrics`` module whose VQAScore records its construction and calls (the PNG read
-    at call time) and returns a ``[1, n_texts]`` tensor of :func:`_vqa_rule`."""
-    record = {"init": [], "calls": []}
-
-    class VQAScore:
-        def __init__(self, model, device="cuda", **kwargs):
-            record["init"].append({"model": model, "device": device, **kwargs})
-
-        def __call__(self, images, texts):
-            assert isinstance(images, list) and isinstance(texts, list)
-            sizes = [Image.open(p).size for p in images]
-            record["calls"].append({"paths": list(images), "texts": list(texts), "sizes": sizes,
-                                    "exists": [Path(p).is_file() for p in images]})
-            return torch.tensor([[_vqa_rule(p, t) for t in texts] for p in images], dtype=torch.float64)
-
-    module = types.ModuleType("t2v_metrics")
-    module.VQAScore = VQAScore
-    monkeypatch.setitem(sys.modules, "t2v_metrics", module)
-    return record
+def fake_t2v(tmp_path, monkeypatch) -> FakeT2V:
+    return FakeT2V(tmp_path / "t2v", monkeypatch)
 
 
-def test_missing_t2v_metrics_is_a_named_error_with_the_install_command(monkeypatch):
-    monkeypatch.setitem(sys.modules, "t2v_metrics", None)  # as if not installed
-    with pytest.raises(VQAScoreUnavailableError, match=r"paco-pipeline\[t2v\]"):
-        check_t2v_metrics()
-    with pytest.raises(VQAScoreUnavailableError, match=r"pip install"):
-        load_vqascore()
+def test_worker_gets_paths_texts_and_cache_dir_and_scores_come_back_exactly(fake_t2v, tmp_path):
+    panels = [("base/c-s0_0000.png", Image.new("RGB", (16, 8), (255, 0, 0)), ["a red cat", "on a mat"]),
+              ("base/c-s0_0001.png", Image.new("L", (8, 8), 0), ["a cat"]),
+              ("lora/c-s0_0000.png", Image.new("RGB", (8, 4), (77, 1, 2)), ["twelve chars", "x"])]
+    (tmp_path / "work").mkdir()
+    got = vqascore_panels(iter(panels), **fake_t2v.kwargs(), device="cpu", tmp_dir=tmp_path / "work")
+    assert got == [[_vqa_rule(255, "a red cat"), _vqa_rule(255, "on a mat")], [_vqa_rule(0, "a cat")],
+                   [_vqa_rule(77, "twelve chars"), _vqa_rule(77, "x")]]  # exact: JSON keeps every digit
+    cache = str(fake_t2v.cache_dir.resolve())
+    assert fake_t2v.record("import") == [{"event": "import", "hf_hub_cache": cache, "offline": "1"}]
+    assert fake_t2v.record("init") == [{"event": "init", "model": "clip-flant5-xxl", "device": "cpu",
+                                        "cache_dir": cache}]  # one model for all panels
+    calls = fake_t2v.record("call")
+    assert [Path(c["images"][0]).parts[-2:] for c in calls] == [("base", "c-s0_0000.png"), ("base", "c-s0_0001.png"),
+                                                                 ("lora", "c-s0_0000.png")]
+    assert [len(c["images"]) for c in calls] == [1, 1, 1] and [c["sizes"] for c in calls] == [[[16, 8]], [[8, 8]],
+                                                                                               [[8, 4]]]
+    assert [c["texts"] for c in calls] == [["a red cat", "on a mat"], ["a cat"], ["twelve chars", "x"]]
+    assert list((tmp_path / "work").iterdir()) == []  # the temporary files are gone
+    assert vqascore_panels([], **fake_t2v.kwargs()) == [] and len(fake_t2v.record("init")) == 1
 
 
-def test_adapter_passes_paths_and_raw_criteria(fake_t2v, tmp_path):
-    scorer = load_vqascore(device="cpu")
-    assert fake_t2v["init"] == [{"model": OFFICIAL_MODEL, "device": "cpu"}] and OFFICIAL_MODEL == "clip-flant5-xxl"
-    panels = [("c-s0_0000.png", Image.new("RGB", (16, 8), (255, 0, 0)), ["a red cat", "on a mat"]),
-              ("c-s0_0001.png", Image.new("L", (8, 8), 0), ["a cat"])]
-    got = vqascore_panels(scorer, panels, tmp_dir=tmp_path)
-    calls = fake_t2v["calls"]
-    assert [Path(c["paths"][0]).name for c in calls] == ["c-s0_0000.png", "c-s0_0001.png"]
-    assert all(c["exists"] == [True] for c in calls) and [c["sizes"] for c in calls] == [[(16, 8)], [(8, 8)]]
-    assert [c["texts"] for c in calls] == [["a red cat", "on a mat"], ["a cat"]]  # t2v_metrics adds the question
-    assert got == [[pytest.approx(0.5 + 9 / 20), pytest.approx(0.5 + 8 / 20)], [pytest.approx(5 / 20)]]
-    assert list(tmp_path.iterdir()) == []  # the temporary files are gone
+def test_preflight_checks_the_environment_without_loading_the_model(fake_t2v, tmp_path, monkeypatch):
+    preflight(fake_t2v.python, fake_t2v.cache_dir)
+    assert len(fake_t2v.record("import")) == 1 and fake_t2v.record("init") == []
+    fake_t2v.mode("unlisted")
+    with pytest.raises(VQAScoreUnavailableError, match=r"'clip-flant5-xxl' is not in t2v_metrics.list_all_vqascore_"
+                                                        r"models\(\).*t2v-metrics==3.0.*\['clip-flant5-xl'\]"):
+        preflight(fake_t2v.python, fake_t2v.cache_dir)
+    fake_t2v.mode("ok")
+    with pytest.raises(VQAScoreUnavailableError, match="is not a directory"):
+        preflight(fake_t2v.python, tmp_path / "nowhere")
+    shutil.rmtree(fake_t2v.cache_dir / "models--openai--clip-vit-large-patch14-336")
+    with pytest.raises(VQAScoreUnavailableError, match=r"no snapshot of \['openai/clip-vit-large-patch14-336'\]"):
+        preflight(fake_t2v.python, fake_t2v.cache_dir)
+    for python, message in ((None, "vqascore_python is not set"), (tmp_path / "no/python", "not an executable")):
+        with pytest.raises(VQAScoreUnavailableError, match=message):
+            preflight(python, fake_t2v.cache_dir)
+    with pytest.raises(VQAScoreUnavailableError, match="vqascore_cache_dir is not set"):
+        preflight(fake_t2v.python, None)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # an interpreter without t2v_metrics
+    with pytest.raises(VQAScoreUnavailableError, match="(?s)status 2.*cannot import t2v_metrics"):
+        preflight(fake_t2v.python, fake_t2v.cache_dir)
+    assert fake_t2v.record("init") == []
 
 
-@pytest.mark.parametrize("out", [torch.zeros(2, 1), torch.zeros(1, 2), torch.tensor([[1.5]]),
-                                 torch.tensor([[float("nan")]]), "text"])
-def test_a_bad_vqascore_result_is_a_named_error(out):
-    with pytest.raises(VQAScoreError):
-        vqascore_panels(lambda images, texts: out, [("x_0000.png", Image.new("RGB", (4, 4)), ["t"])])
-    with pytest.raises(VQAScoreError, match="no criteria"):
-        vqascore_panels(lambda images, texts: torch.zeros(1, 0), [("x_0000.png", Image.new("RGB", (4, 4)), [])])
+@pytest.mark.parametrize("mode, error, message", [
+    ("unlisted", VQAScoreUnavailableError, r"'clip-flant5-xxl' is not in t2v_metrics.list_all_vqascore_models"),
+    ("init_raises", VQAScoreUnavailableError, r"VQAScore\(model='clip-flant5-xxl'.*failed \(OSError: stand-in: "
+                                              r"zhiqiulin/clip-flant5-xxl is not in the cached files\)"),
+    ("call_raises", VQAScoreError,
+     r"(?s)status 3.*c_0000.png: VQAScore raised RuntimeError: stand-in: CUDA out of memory"),
+    ("two_rows", VQAScoreError, r"(?s)status 3.*returned \[\[0.5, 0.5\], \[0.5, 0.5\]\], not a \[1, 2\] score matrix"),
+    ("out_of_range", VQAScoreError, r"panel c_0000.png: VQAScore 1.5 is not a probability in \[0, 1\]"),
+    ("hang", VQAScoreError, r"ran past 3 s"),
+])
+def test_worker_failures_are_named_errors_with_the_workers_message(fake_t2v, mode, error, message):
+    fake_t2v.mode(mode)
+    with pytest.raises(error, match=message) as info:
+        vqascore_panels([("c_0000.png", Image.new("RGB", (4, 4)), ["a", "b"])], **fake_t2v.kwargs(), device="cpu",
+                        timeout_s=3 if mode == "hang" else 120)
+    assert (info.type is VQAScoreUnavailableError) == (error is VQAScoreUnavailableError)
+
+
+def test_bad_panels_are_named_errors_before_the_worker_runs(fake_t2v):
+    for panels, message in (([("x_0000.png", Image.new("RGB", (4, 4)), [])], "no criteria"),
+                            ([("x_0000.png", Image.new("RGB", (4, 4)), ["t"])] * 2, "unique"),
+                            ([("../x_0000.png", Image.new("RGB", (4, 4)), ["t"])], "relative path")):
+        with pytest.raises(VQAScoreError, match=message):
+            vqascore_panels(panels, **fake_t2v.kwargs())
+    assert fake_t2v.record() == []
+
+
+def test_the_worker_imports_only_the_standard_library_and_t2v_metrics():
+    import ast
+
+    tree = ast.parse(WORKER.read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert names - {"t2v_metrics"} <= set(sys.stdlib_module_names), names
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,14 +422,21 @@ def test_t2v_metrics_pa_through_plan_score_local_and_score_t2is(fake_t2v):
     plan = plan_t2is(samples, prompts, seeds_per_prompt=None, max_prompts=None, prompt_alignment="t2v_metrics")
     assert all(q["protocol"] == "vc" for q in plan.questions) and len(plan.requests) == len(plan.questions)
     assert len(plan.local_pa) == 2 * sum(len(t) for panels in ALIGN.values() for c in panels for t in c.values())
-    cfg = _cfg(prompt_alignment="t2v_metrics")
+    cfg = _cfg(prompt_alignment="t2v_metrics", vqascore_python=fake_t2v.python,
+               vqascore_cache_dir=str(fake_t2v.cache_dir))
     check_local(plan, cfg)
+    assert fake_t2v.record("init") == []  # the preflight loads no model
     local = score_local(plan, cfg, device="cpu")
-    # one call per panel (10 = (3 + 2) panels x 2 variants), its criteria in Entity, Attribute, Relation order
-    calls = fake_t2v["calls"]
-    assert len(calls) == 10 and fake_t2v["init"] == [{"model": "clip-flant5-xxl", "device": "cpu"}]
-    assert [Path(c["paths"][0]).name for c in calls[:2]] == ["p1-s0_0000.png", "p1-s0_0001.png"]
-    assert calls[0]["texts"] == ["a fox", "red fur", "green eyes", "fox on a rock"]
+    # one model, one call per panel (10 = (3 + 2) panels x 2 variants), its criteria in Entity, Attribute,
+    # Relation order, each panel under its official name in its variant's folder
+    calls = fake_t2v.record("call")
+    assert len(calls) == 10 and fake_t2v.record("init") == [
+        {"event": "init", "model": "clip-flant5-xxl", "device": "cpu", "cache_dir": str(fake_t2v.cache_dir.resolve())}]
+    names = sorted(Path(c["images"][0]).parts[-2:] for c in calls)
+    assert names == sorted((v, f"{p}-s0_{k:04d}.png") for v in ("base", "lora")
+                           for p in ALIGN for k in range(len(ALIGN[p])))
+    first = next(c for c in calls if Path(c["images"][0]).name == "p1-s0_0000.png")
+    assert first["texts"] == ["a fox", "red fur", "green eyes", "fox on a rock"]
     answers = {"ev1": [0.5] * len(plan.questions), "ev2": [0.25] * len(plan.questions)}
     frame, metrics, report = score_t2is(plan, answers, prompt_alignment="t2v_metrics", local=local)
     for variant in ("base", "lora"):
@@ -307,7 +446,8 @@ def test_t2v_metrics_pa_through_plan_score_local_and_score_t2is(fake_t2v):
             assert {k: got[k] for k in want} == pytest.approx(want, abs=1e-12)
             assert got["pa"] == pytest.approx(sum(want.values()) / 3, abs=1e-12)
             assert got["aesthetics"] is None and got["avg"] is None
-    assert metrics["questions"]["pa"] == len(plan.local_pa) // 2 and metrics["aesthetics_laion"] is None
+    assert metrics["questions"]["pa"] == len(plan.local_pa) // 2
+    assert metrics.get("aesthetics_laion") is None  # not scored: absent
     rows = frame[frame["evaluator"] == VQASCORE_EVALUATOR]
     assert len(rows) == len(plan.local_pa) and set(rows["protocol"]) == {"pa"}
     first = rows.iloc[0]
@@ -319,23 +459,29 @@ def test_t2v_metrics_pa_through_plan_score_local_and_score_t2is(fake_t2v):
     assert "official VQAScore" in t2is_table("t2is", metrics, {}, notes)
 
 
-def test_t2v_metrics_missing_fails_before_asking_and_unscored_pa_is_an_error(monkeypatch):
+def test_t2v_metrics_unavailable_fails_before_asking_and_unscored_pa_is_an_error(fake_t2v):
+    """check_local (the stage calls it before ask_t2is) runs the preflight: a t2v_metrics without
+    clip-flant5-xxl (as 2.1 and later) is a named error and no model is built."""
     from paco.benchmark.t2is_local import LocalScores, check_local
     from paco.benchmark.t2is_run import plan_t2is, score_t2is
 
-    monkeypatch.setitem(sys.modules, "t2v_metrics", None)
+    fake_t2v.mode("unlisted")
+    cfg = _cfg(prompt_alignment="t2v_metrics", vqascore_python=fake_t2v.python,
+               vqascore_cache_dir=str(fake_t2v.cache_dir))
     samples, prompts = _tables()
     plan = plan_t2is(samples, prompts, seeds_per_prompt=None, max_prompts=None, prompt_alignment="t2v_metrics")
-    with pytest.raises(VQAScoreUnavailableError):
-        check_local(plan, _cfg(prompt_alignment="t2v_metrics"))
+    with pytest.raises(VQAScoreUnavailableError, match="not in t2v_metrics.list_all_vqascore_models"):
+        check_local(plan, cfg)
+    assert len(fake_t2v.record("import")) == 1 and fake_t2v.record("init") == []
     with pytest.raises(ArtifactError, match="VQAScore questions planned"):
         score_t2is(plan, {"ev": [0.5] * len(plan.questions)}, prompt_alignment="t2v_metrics", local=LocalScores())
     with pytest.raises(ArtifactError, match="prompt_alignment"):
         plan_t2is(samples, prompts, seeds_per_prompt=None, max_prompts=None, prompt_alignment="vqa")
-    # without alignment criteria nothing needs t2v_metrics
+    # without alignment criteria nothing needs t2v_metrics: no preflight runs
     plan = plan_t2is(samples, prompts.drop(columns="alignment"), seeds_per_prompt=None, max_prompts=None,
                      prompt_alignment="t2v_metrics")
-    check_local(plan, _cfg(prompt_alignment="t2v_metrics"))
+    check_local(plan, cfg)
+    assert len(fake_t2v.record("import")) == 1
 
 
 def test_laion_aesthetics_fill_the_column_and_avg(tmp_path):

@@ -421,3 +421,38 @@ def test_the_gedit_import_keeps_intersection_exist(tmp_path):
                      max_pixels=1 << 20)
     photos = photo_edits(["cat", "coffee"], ["mirror"], 16, 1, 0)
     assert list(photos.columns) == list(EDIT_COLUMNS)
+
+
+def test_the_t2is_scorers_change_no_evaluators_answers_so_keep_the_answer_cache(tmp_path):
+    """The t2is scorers run in the stage after the evaluators (t2v_metrics VQAScore, the LAION
+    predictor): switching them, or new LAION weights, keeps the identity the answers are kept
+    under (they are the stage's evaluation keys, and their files are left out of it); a changed
+    evaluator setting does not."""
+    from paco.core.params import load_params
+    from stages.benchmark import run_identity
+
+    served = {"model": "data/models/judge_base", "url": None, "served_model_name": "m", "api_key_env": None,
+              "stand_in_for": None}
+    root = _workdir(tmp_path, {"t2is": _member("t2is", {"served": served})})
+    model = root / "data/models/judge_base"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    weights = root / "data/raw/aesthetic/mlp.pth"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"mlp 1")
+    (root / "data/models/clip").mkdir(parents=True)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+
+    def identity(t2is: dict, **member):
+        raw["benchmark"]["t2is"].update(t2is=t2is, **member)
+        (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        return run_identity(load_params(root / "params.yaml"), "t2is", root / "params.yaml", root=root)
+
+    first = identity({"prompt_alignment": "none"})
+    laion = {"prompt_alignment": "yes_no", "aesthetics": "laion", "aesthetics_clip": "data/models/clip",
+             "aesthetics_weights": "data/raw/aesthetic/mlp.pth"}
+    assert identity(laion).digest == first.digest
+    weights.write_bytes(b"mlp 2")
+    assert identity(laion).digest == first.digest
+    assert not any(k.startswith("dep:data/raw/aesthetic") for k in identity(laion).parts)
+    assert identity(laion, top_logprobs=20).digest != first.digest  # what the evaluators are asked: a new identity

@@ -313,7 +313,7 @@ def _evaluator_models(config: Mapping[str, Any]) -> tuple[str, ...]:
     weights file (``t2is.aesthetics: laion``), over all members, sorted: the members of a foreach
     stage share one DVC ``do:`` block and evaluators are a per-member dict, so every member depends
     on all of them (a changed evaluator reruns the benchmarks; its weights are in each member's run
-    identity, which keeps its answer cache)."""
+    identity, which keeps its answer cache; the LAION files are not: they change no answer)."""
     out = set()
     for item in (config.get("benchmark") or {}).values():
         for ev in ((item or {}).get("evaluators") or {}).values() if isinstance(item, Mapping) else ():
@@ -350,6 +350,11 @@ STAGES += (
         # the answer cache: kept across runs under the same run identity (a rerun asks nothing twice)
         persist=("data/benchmark/${key}/answers",),
         metrics=("data/benchmark/${key}/metrics.json",),
+        # scored in the stage's process after the evaluators (t2v_metrics VQAScore, LAION
+        # aesthetics): a change re-scores, but keeps the evaluators' cached answers
+        evaluation=tuple(f"benchmark.${{key}}.t2is.{k}" for k in (
+            "prompt_alignment", "aesthetics", "aesthetics_clip", "aesthetics_weights", "vqascore_python",
+            "vqascore_cache_dir")),
         launch=("benchmark.${key}.resources", "judge_endpoint.server.gpus"),
         subprocesses=("paco/judge/serve/__main__.py",),
     ),

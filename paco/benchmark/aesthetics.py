@@ -3,14 +3,17 @@
 The released T2IS-Bench code (chengyou-jia/T2IS ``T2IS_Eval``) has no aesthetics metric and the
 paper does not say which predictor or scale it used (issue 27). This module offers the LAION
 "improved aesthetic predictor" (christophschuhmann/improved-aesthetic-predictor, weights
-``sac+logos+ava1-l14-linearMSE.pth``), exact to its ``simple_inference.py`` (commit 3ade56d, lines
-92-117: embed, normalise, MLP):
+``sac+logos+ava1-l14-linearMSE.pth``) with the same model and formula as its
+``simple_inference.py`` (commit 3ade56d, lines 92-117: embed, normalise, MLP), not bit-exact:
 
-* the image embedding: CLIP ViT-L/14's image features (``clip.load("ViT-L/14")`` there;
+* the image embedding: CLIP ViT-L/14's image features. The official code embeds with OpenAI's
+  ``clip.load("ViT-L/14")``, in float16 on CUDA, with that package's own preprocessing; here
   ``openai/clip-vit-large-patch14`` through transformers ``CLIPModel.get_image_features`` and
-  its ``CLIPProcessor`` here, :class:`paco.models.clip.ClipScorer`: the same resize of the
-  shortest edge to 224 px, centre crop and CLIP mean/std), L2-normalised (``normalized``,
-  simple_inference.py lines 84-89; a zero vector is left as is);
+  its ``CLIPProcessor`` in float32 (:class:`paco.models.clip.ClipScorer`: resize of the shortest
+  edge to 224 px, centre crop, CLIP mean/std), so the scores differ from the official ones in
+  the last digits. The embedding is L2-normalised (``normalized``, simple_inference.py lines
+  84-89; a zero vector is left as is); ClipScorer's embeddings are already L2-normalised, so
+  this second normalisation changes nothing beyond rounding and is kept as the official step;
 * the score: the MLP of simple_inference.py lines 40-64 (:class:`AestheticMLP`, keys
   ``layers.0`` ... ``layers.7``): ``Linear(768, 1024), Dropout(0.2), Linear(1024, 128),
   Dropout(0.2), Linear(128, 64), Dropout(0.1), Linear(64, 16), Linear(16, 1)``, no activation
@@ -38,7 +41,8 @@ from paco.core.io import ArtifactError
 
 __all__ = [
     "WEIGHTS_FILE", "WEIGHTS_URL", "EMBEDDING_DIM", "SCORE_SCALE", "AestheticsError", "AestheticWeightsError",
-    "EmbeddingDimensionError", "AestheticMLP", "load_mlp", "l2_normalise", "LaionAesthetics", "aggregate_aesthetics",
+    "EmbeddingDimensionError", "AestheticMLP", "weights_file", "load_mlp", "l2_normalise", "LaionAesthetics",
+    "aggregate_aesthetics",
 ]
 
 #: the official weights file (trained on SAC + LAION-logos + AVA, linear MSE head)
@@ -90,7 +94,13 @@ class AestheticMLP(torch.nn.Module):
         return self.layers(x)
 
 
-def _weights_file(path: str | Path) -> Path:
+def weights_file(path: str | Path) -> Path:
+    """The MLP weights file ``path`` names: the file itself, or :data:`WEIGHTS_FILE` in the
+    directory ``path`` (a ``data/models/<role>`` snapshot).
+
+    Raises:
+        AestheticWeightsError: no such file (the message says where to download it).
+    """
     p = Path(path)
     if p.is_dir():
         p = p / WEIGHTS_FILE
@@ -131,7 +141,7 @@ def load_mlp(path: str | Path) -> AestheticMLP:
         AestheticWeightsError: no such file, a file torch cannot load as tensors (loaded with
             ``weights_only=True``), or keys / shapes other than the official MLP's.
     """
-    file = _weights_file(path)
+    file = weights_file(path)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file

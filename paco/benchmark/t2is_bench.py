@@ -57,7 +57,7 @@ VC_DIMENSIONS = ("Style", "Identity", "Logic")
 PA_DIMENSIONS = ("Entity", "Attribute", "Relation")
 #: test_prompt_consistency.py:128, verbatim (``{criterion}`` is the criterion's text).
 VC_QUESTION = "Do images meet the following criteria? {criterion} Please answer Yes or No."
-#: t2v_metrics clip_t5_model.py:8 ``default_question_template``, verbatim (answer ``"Yes"``, line 9).
+#: linzhiqiu/t2v_metrics 8e106a5 clip_t5_model.py:9 ``default_question_template``, verbatim (answer ``"Yes"``, line 10).
 PA_QUESTION = 'Does this figure show "{}"? Please answer yes or no.'
 #: Avg weights of (aesthetics, mean PA, mean VC), inferred from paper Table 3.
 AVG_WEIGHTS = (0.2, 0.3, 0.5)

@@ -1,13 +1,15 @@
 """T2IS-Bench's locally computed scores (stage ``benchmark@<subtask>``, ``protocol: t2is``): the
 official VQAScore prompt alignment and the LAION aesthetics, both GPU extras at paper scale, both
 optional (``benchmark.<k>.t2is``: ``prompt_alignment: t2v_metrics``, ``aesthetics: laion``), never
-faked: a missing package, weights file or model is a named error before any evaluator is asked
-(:func:`check_local`).
+faked: a missing environment, package, weights file or model is a named error before any
+evaluator is asked (:func:`check_local`).
 
 * ``prompt_alignment: t2v_metrics``: each panel of :attr:`T2ISPlan.local_pa
   <paco.benchmark.t2is_run.T2ISPlan>` scored against its criteria by
-  :func:`paco.benchmark.vqascore.vqascore_panels` (chengyou-jia/T2IS ``vqa_alignment.py``), one
-  score per question, aggregated by :func:`paco.benchmark.t2is_bench.aggregate_pa` as the yes/no
+  :func:`paco.benchmark.vqascore.vqascore_panels` (chengyou-jia/T2IS ``vqa_alignment.py``) in
+  the separate t2v_metrics 3.0 environment ``vqascore_python`` (a subprocess, the weights read
+  from ``vqascore_cache_dir``), all panels of the plan in one run, one score per question,
+  aggregated by :func:`paco.benchmark.t2is_bench.aggregate_pa` as the yes/no
   approximation's are. The score does not depend on the VC evaluator: every evaluator column
   shows the same Entity / Attribute / Relation.
 * ``aesthetics: laion``: every panel scored by :class:`paco.benchmark.aesthetics.LaionAesthetics`,
@@ -21,7 +23,7 @@ stages of the run. The scores are not cached: a rerun of the stage computes them
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,17 +61,21 @@ def check_local(plan: Any, t2is: Any) -> None:
         t2is: ``benchmark.<k>.t2is`` (:class:`paco.core.params.benchmark.T2ISProtocolParams`).
 
     Raises:
-        VQAScoreUnavailableError: ``t2v_metrics`` chosen, PA questions planned, package missing.
+        VQAScoreUnavailableError: ``t2v_metrics`` chosen and PA questions planned, but the
+            environment's preflight fails (:func:`paco.benchmark.vqascore.preflight`: no such
+            interpreter, t2v_metrics not importable there, the model not listed, weights missing
+            from the cache dir).
+        VQAScoreError: the preflight failed otherwise (timeout, crash).
         AestheticWeightsError: ``laion`` and the weights file is missing.
         ArtifactError: ``laion`` and the CLIP directory is missing.
     """
-    from paco.benchmark.aesthetics import _weights_file
-    from paco.benchmark.vqascore import check_t2v_metrics
+    from paco.benchmark.aesthetics import weights_file
+    from paco.benchmark.vqascore import OFFICIAL_MODEL, preflight
 
     if t2is.prompt_alignment == "t2v_metrics" and plan.local_pa:
-        check_t2v_metrics()
+        preflight(t2is.vqascore_python, t2is.vqascore_cache_dir, model=OFFICIAL_MODEL)
     if t2is.aesthetics == "laion":
-        _weights_file(t2is.aesthetics_weights)
+        weights_file(t2is.aesthetics_weights)
         if not Path(t2is.aesthetics_clip).is_dir():
             raise ArtifactError(f"aesthetics laion: CLIP directory {t2is.aesthetics_clip} not found (a models role: "
                                 "openai/clip-vit-large-patch14)")
@@ -90,35 +96,45 @@ def _vqascore_inputs(plan: Any) -> tuple[list[tuple[str, str, int]], dict[tuple[
     return list(groups), groups
 
 
-def _score_pa(plan: Any, scorer: Callable[..., Any]) -> list[float]:
-    from paco.benchmark.vqascore import vqascore_panels
+def _score_pa(plan: Any, t2is: Any, device: str, tmp_dir: str | Path | None) -> list[float]:
+    """VQAScore of every planned question: all panels in one worker run (one model load), each
+    file under its official name in a folder per variant (``base/{case_id}_{k:04d}.png``)."""
+    from paco.benchmark.vqascore import OFFICIAL_MODEL, vqascore_panels
 
     keys, groups = _vqascore_inputs(plan)
     wanted = set(keys)
+    items: list[tuple[str, str, int]] = []
+
+    def inputs() -> Iterator[tuple[str, Image.Image, list[str]]]:  # one grid decoded at a time
+        for src, panels in source_panels(plan):
+            for k in range(len(panels)):
+                key = (src["variant"], src["case_id"], k)
+                if key in wanted:
+                    items.append(key)
+                    yield (f"{key[0]}/{official_file_name(key[1], k)}", panels[k],
+                           [plan.local_pa[i]["criterion"] for i in groups[key]])
+
+    rows = vqascore_panels(inputs(), python=t2is.vqascore_python, cache_dir=t2is.vqascore_cache_dir,
+                           model=OFFICIAL_MODEL, device=device, tmp_dir=tmp_dir)
     scores = [float("nan")] * len(plan.local_pa)
-    for src, panels in source_panels(plan):
-        items = [(src["variant"], src["case_id"], k) for k in range(len(panels))
-                 if (src["variant"], src["case_id"], k) in wanted]
-        if not items:
-            continue
-        inputs = [(official_file_name(cid, k), panels[k], [plan.local_pa[i]["criterion"] for i in groups[v, cid, k]])
-                  for v, cid, k in items]
-        for key, row in zip(items, vqascore_panels(scorer, inputs), strict=True):
-            for i, s in zip(groups[key], row, strict=True):
-                scores[i] = s
+    for key, row in zip(items, rows, strict=True):
+        for i, s in zip(groups[key], row, strict=True):
+            scores[i] = s
     return scores
 
 
-def score_local(plan: Any, t2is: Any, *, device: str | None = None,
-                vqascore: Callable[..., Any] | None = None, aesthetics: Any = None) -> LocalScores:
+def score_local(plan: Any, t2is: Any, *, device: str | None = None, aesthetics: Any = None,
+                tmp_dir: str | Path | None = None) -> LocalScores:
     """The configured local scores of the plan (module docstring).
 
     Args:
         plan: :class:`~paco.benchmark.t2is_run.T2ISPlan`.
         t2is: ``benchmark.<k>.t2is``.
-        device: torch device of the models; default ``cuda`` when available, else ``cpu``.
-        vqascore, aesthetics: already built scorers (else :func:`paco.benchmark.vqascore.load_vqascore`
-            and :class:`paco.benchmark.aesthetics.LaionAesthetics` are built when needed).
+        device: torch device of the models (VQAScore's in its worker too); default ``cuda`` when
+            available, else ``cpu``.
+        aesthetics: an already built aesthetic scorer (else :class:`paco.benchmark.aesthetics.LaionAesthetics`
+            is built when needed).
+        tmp_dir: where VQAScore's temporary panel files go (the system's temporary directory).
 
     Raises:
         the errors of :func:`check_local`, :func:`~paco.benchmark.vqascore.vqascore_panels`,
@@ -129,9 +145,7 @@ def score_local(plan: Any, t2is: Any, *, device: str | None = None,
     out = LocalScores()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if t2is.prompt_alignment == "t2v_metrics" and plan.local_pa:
-        from paco.benchmark.vqascore import OFFICIAL_MODEL, load_vqascore
-
-        out.pa = _score_pa(plan, vqascore or load_vqascore(OFFICIAL_MODEL, device=device))
+        out.pa = _score_pa(plan, t2is, device, tmp_dir)
     elif t2is.prompt_alignment == "t2v_metrics":
         out.pa = []
     if t2is.aesthetics == "laion":

@@ -162,9 +162,8 @@ def _pa(plan: T2ISPlan, values: list[float], variant: str, prompt_alignment: str
 
 def _not_scored(prompt_alignment: str, n_pa: int, local: LocalScores) -> dict[str, str]:
     not_scored = {}
-    if local.aesthetics is None:
-        not_scored["aesthetics"] = ("benchmark.<k>.t2is.aesthetics is none (the released T2IS code has no aesthetics "
-                                    "metric; none is made up, Avg is null)")
+    if local.aesthetics is None:  # aesthetics: none (the LAION stand-in is opt-in)
+        not_scored["aesthetics"] = "the released T2IS code has no aesthetics metric; none is made up (Avg is null)"
     if prompt_alignment == "none":
         not_scored["pa"] = "benchmark.<k>.t2is.prompt_alignment is none (Entity / Attribute / Relation not scored)"
     elif n_pa == 0:
@@ -188,7 +187,7 @@ def score_t2is(plan: T2ISPlan, answers: dict[str, list[float]], *, prompt_alignm
     of that test (its ``vc`` still counts the lacking dimension as 0, as the official per-case
     score does, test_prompt_consistency.py:178-185)), ``skipped_cases`` (no criteria or no
     image), ``unparsed`` (0: a yes/no answer always scores), ``aesthetics_laion``
-    (:func:`~paco.benchmark.t2is_local.aesthetics_summary`, None when not scored). report: per
+    (:func:`~paco.benchmark.t2is_local.aesthetics_summary`; only when aesthetics are scored). report: per
     variant and evaluator the extra dimensions, skipped cases and panels, cases without alignment,
     and what is not scored.
 
@@ -225,6 +224,8 @@ def score_t2is(plan: T2ISPlan, answers: dict[str, list[float]], *, prompt_alignm
     first = next(iter(detail["base"].values()))
     metrics = {"protocol": "t2is", "cases": len(plan.cases["base"]), "questions": {"vc": n_vc, "pa": n_pa},
                "scores": scores, "lora_minus_base": pairs, "skipped_cases": len(first["skipped_cases"]),
-               "unparsed": 0, "aesthetics_laion": aesthetics_summary(local)}
+               "unparsed": 0}
+    if local.aesthetics is not None:
+        metrics["aesthetics_laion"] = aesthetics_summary(local)
     report = {"detail": detail, "not_scored": _not_scored(prompt_alignment, n_pa, local)}
     return score_frame(rows), metrics, report

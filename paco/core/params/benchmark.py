@@ -83,8 +83,11 @@ class T2ISProtocolParams(_Section):
     ``test_prompt_consistency.py``); prompt alignment, on the cases whose prompts carry Entity /
     Attribute / Relation criteria: ``none`` (not scored: the metrics are null), ``yes_no`` (the
     VQAScore question as a yes/no log-prob of each evaluator, an approximation) or ``t2v_metrics``
-    (the official ``clip-flant5-xxl`` VQAScore, ``vqa_alignment.py``: the GPU extra
-    ``paco-pipeline[t2v]``, :mod:`paco.benchmark.vqascore`). Aesthetics (the released code has no
+    (the official ``clip-flant5-xxl`` VQAScore, ``vqa_alignment.py``, :mod:`paco.benchmark.vqascore`,
+    on a GPU) with ``vqascore_python``, the interpreter of a separate environment holding
+    ``t2v-metrics==3.0`` (run as a subprocess: its pins cannot join the project's environment),
+    and ``vqascore_cache_dir``, the directory holding the downloaded ``clip-flant5-xxl`` weights
+    (t2v_metrics' ``cache_dir``; docs/running.md). Aesthetics (the released code has no
     such metric): ``none``, or ``laion`` (the LAION aesthetic predictor, a stand-in:
     :mod:`paco.benchmark.aesthetics`) with ``aesthetics_clip``, a ``data/models/<role>`` holding
     ``openai/clip-vit-large-patch14``, and ``aesthetics_weights``, the path of
@@ -92,7 +95,9 @@ class T2ISProtocolParams(_Section):
 
     Raises (validation):
         ValueError: ``laion`` without both paths, ``aesthetics_clip`` not a ``data/models/<role>``,
-            or a path given with ``aesthetics: none``.
+            or a path given with ``aesthetics: none``; ``t2v_metrics`` without both
+            ``vqascore_python`` and ``vqascore_cache_dir``, or either given with another
+            ``prompt_alignment``.
     """
 
     prompt_alignment: Literal["none", "yes_no", "t2v_metrics"] = "none"
@@ -100,6 +105,22 @@ class T2ISProtocolParams(_Section):
     aesthetics_clip: str | None = Field(None, description="laion: data/models/<role> of openai/clip-vit-large-patch14")
     aesthetics_weights: str | None = Field(None, description="laion: sac+logos+ava1-l14-linearMSE.pth (a file path, "
                                            "or a data/models/<role> directory holding it)")
+    vqascore_python: str | None = Field(None, description="t2v_metrics: the python of a separate environment with "
+                                        "t2v-metrics==3.0 (e.g. /opt/t2v/bin/python)")
+    vqascore_cache_dir: str | None = Field(None, description="t2v_metrics: the directory holding the downloaded "
+                                           "clip-flant5-xxl weights (t2v_metrics' cache_dir)")
+
+    @model_validator(mode="after")
+    def _vqascore(self) -> T2ISProtocolParams:
+        paths = (self.vqascore_python, self.vqascore_cache_dir)
+        if self.prompt_alignment != "t2v_metrics" and any(p is not None for p in paths):
+            raise ValueError(f"prompt_alignment is {self.prompt_alignment}: vqascore_python and vqascore_cache_dir "
+                             "must be null")
+        if self.prompt_alignment == "t2v_metrics" and any(p is None or not p.strip() for p in paths):
+            raise ValueError("prompt_alignment t2v_metrics needs vqascore_python (the interpreter of a separate "
+                             "environment with t2v-metrics==3.0) and vqascore_cache_dir (the directory holding the "
+                             "clip-flant5-xxl weights): docs/running.md")
+        return self
 
     @model_validator(mode="after")
     def _aesthetics(self) -> T2ISProtocolParams:
