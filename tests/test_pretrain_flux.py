@@ -14,7 +14,7 @@ import torch
 
 from paco.pretrain import flux as F
 
-TINY = dict(transformer={}, vae_steps=2, vae_batch=2, vae_size=32, vae_eval_views=2, t2i_steps=2, t2i_batch=2, t2i_views=1,
+TINY = dict(vae_steps=2, vae_batch=2, vae_size=32, vae_eval_views=2, t2i_steps=2, t2i_batch=2, t2i_views=1,
             t2i_resolutions=[32], t2i_resolution_weights=[1.0], kontext_steps=2, kontext_batch=2,
             kontext_examples=2, kontext_resolutions=[32], kontext_resolution_weights=[1.0], kontext_identity=0.5,
             evaluate=False)
@@ -33,6 +33,18 @@ def test_recipe_refuses_bad_fields():
         F.FluxRecipe(kontext_identity=1.0)
     with pytest.raises(pydantic.ValidationError):
         F.FluxRecipe(t2i_lr_floor=0.0)
+    with pytest.raises(pydantic.ValidationError, match="in_channels must be 4 x"):
+        F.FluxRecipe(vae={"latent_channels": 4}, transformer={"in_channels": 64})
+    with pytest.raises(pydantic.ValidationError, match="latent_channels must be a positive integer"):
+        F.FluxRecipe(vae={"latent_channels": 0})
+
+
+def test_transformer_input_follows_the_vae_latent():
+    # FLUX packs 2x2 latent pixels into one token: in_channels = 4 x latent_channels
+    assert F.FluxRecipe(vae={}, transformer={}).overrides() == ({"in_channels": 64}, {})
+    transformer, vae = F.FluxRecipe(vae={"latent_channels": 8}, transformer={"num_layers": 2}).overrides()
+    assert transformer == {"num_layers": 2, "in_channels": 32} and vae == {"latent_channels": 8}
+    assert F.FluxRecipe(transformer={}).overrides() == ({"in_channels": 16}, {"latent_channels": 4})
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
@@ -89,6 +101,10 @@ def test_build_writes_loadable_directories(tiny_build):
     policy = load_policy("flux_kontext", out / "flux_kontext", None, settings)
     cfg = policy.pipe.vae.config
     assert cfg.scaling_factor == figures["vae"]["scaling_factor"] and cfg.shift_factor == figures["vae"]["shift_factor"]
+    assert cfg.latent_channels == 4 and policy.transformer.config.in_channels == 16
+    t2i = load_policy("flux", out / "flux", None, settings)  # 4 latent channels end to end: sample and decode
+    images = F.sample(t2i, [F._Item("p", "a photo of a cat")], 32, 48, num_steps=2, seeds=2, seed=0)[0]
+    assert [im.size for im in images] == [(48, 32)] * 2 and images[0].tobytes() != images[1].tobytes()
 
 
 def test_same_recipe_same_bytes(tiny_build, tmp_path):
