@@ -39,6 +39,21 @@ def test_recipe_refuses_bad_fields():
         Q.QwenImageEditRecipe(vae_crop_scale=(0.8, 0.2))
     with pytest.raises(pydantic.ValidationError):
         Q.QwenImageEditRecipe(uncond_fraction=1.0)
+    with pytest.raises(pydantic.ValidationError):
+        Q.QwenImageEditRecipe(identity=1.0)
+    with pytest.raises(pydantic.ValidationError, match="z_dim"):
+        Q.QwenImageEditRecipe(vae={"z_dim": 0})
+    with pytest.raises(pydantic.ValidationError, match="in_channels must be 16"):
+        Q.QwenImageEditRecipe(vae={"z_dim": 4}, transformer={"in_channels": 64})
+    with pytest.raises(pydantic.ValidationError, match="out_channels must be 16"):
+        Q.QwenImageEditRecipe(vae={}, transformer={"out_channels": 4})
+
+
+def test_overrides_follow_the_latent_channels():
+    transformer, vae = Q.QwenImageEditRecipe(vae={"z_dim": 4}, transformer={"num_layers": 1}).overrides()
+    assert transformer == {"num_layers": 1, "in_channels": 16, "out_channels": 4}
+    assert vae == {"z_dim": 4, "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4}
+    assert Q.QwenImageEditRecipe(vae={}, transformer={"num_layers": 1}).overrides() == ({"num_layers": 1}, {})
 
 
 def test_held_out_split():
@@ -94,6 +109,26 @@ def test_flow_loss_decreases_on_a_fixed_batch(policy):
     assert policy.negative_prompt == Q.NEGATIVE_PROMPT  # restored after the conditional pass
 
 
+def test_identity_rows_copy_their_input(policy):
+    bank = Q.make_bank(policy, Q.train_subjects(), 3, 32, 0, 0.0, chunk=2, identity=True)
+    plain = Q.make_bank(policy, Q.train_subjects(), 3, 32, 0, 0.0, chunk=2)
+    assert bank.identity.tolist() == [False] * 3 + [True] * 3 and not plain.identity.any()
+    assert torch.equal(bank.reference[:3], plain.reference) and torch.equal(bank.target[:3], plain.target)
+    assert torch.equal(bank.reference[3:], plain.reference) and torch.equal(bank.target[3:], plain.reference)
+    from paco.grpo.rewards import SubtaskItem
+    from paco.pretrain.views import to_pil
+
+    grey = to_pil(np.full((32, 32, 3), 0.5, dtype=np.float32))
+    same = policy.condition([SubtaskItem("x", Q.IDENTITY_INSTRUCTION, "", 1, 1, (Q.IDENTITY_INSTRUCTION,), grey)], 32, 32)
+    # the identity instruction's valid tokens (the 32 px image's tokens are as many for any photograph)
+    assert [e.shape[0] for e in bank.embeds[3:]] == [int(same["prompt_mask"][0].sum())] * 3
+    recipe = Q.QwenImageEditRecipe(batch=4000, identity=0.75)
+    rows = torch.tensor(Q._draw_rows(bank, recipe, torch.Generator().manual_seed(0)))
+    assert abs(float((rows >= 3).float().mean()) - 0.75) < 0.03 and rows.min() >= 0 and rows.max() <= 5
+    gen = torch.Generator().manual_seed(0)
+    assert Q._draw_rows(plain, recipe, gen) == torch.randint(0, 3, (4000,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
 def test_build_layout_loads_and_is_deterministic(tmp_path, base_dir):
     recipe = Q.QwenImageEditRecipe(**TINY)
     figures = Q.build(tmp_path / "a", recipe)
@@ -103,12 +138,18 @@ def test_build_layout_loads_and_is_deterministic(tmp_path, base_dir):
     index = json.loads((out / "model_index.json").read_text())
     assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
     vae_config = json.loads((out / "vae" / "config.json").read_text())
-    assert vae_config["latents_mean"] != json.loads((base_dir / "vae" / "config.json").read_text())["latents_mean"]
+    # the default recipe's 4-channel VAE under the one-head transformer (Q.PRETRAINED_*)
+    assert vae_config["z_dim"] == 4 and len(vae_config["latents_mean"]) == len(vae_config["latents_std"]) == 4
+    assert vae_config["latents_std"] != [1.0] * 4  # set from the trained latents, not the placeholders
+    tr = json.loads((out / "transformer" / "config.json").read_text())
+    assert (tr["in_channels"], tr["out_channels"], tr["num_attention_heads"], tr["axes_dims_rope"]) == (16, 4, 1, [8, 12, 12])
     info = json.loads((out / "pretrain.json").read_text())
     assert info["recipe"]["steps"] == 3 and 0 < info["figures"]["edits_test"]["ssim_to_input"] <= 1
     assert figures["edits_test"]["items"] == 2 and figures["vae"]["held_out_views"]["psnr"] > 0
-    Q.load_edit_policy(out)  # the project loader takes it
+    policy = Q.load_edit_policy(out)  # the project loader takes it
+    assert policy.initial_latents(1, 128, 128, [torch.Generator().manual_seed(0)]).shape == (1, 64, 16)
     Q.build(tmp_path / "b", recipe)
     for name in ("vae/diffusion_pytorch_model.safetensors", "transformer/diffusion_pytorch_model.safetensors",
                  "vae/config.json"):
         assert (out / name).read_bytes() == (tmp_path / "b" / Q.MODEL_NAME / name).read_bytes(), name
+

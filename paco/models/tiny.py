@@ -374,10 +374,14 @@ QWEN_IMAGE_SCHEDULER_CONFIG = dict(
 )
 
 
-def _build_qwen_image_edit(out_dir: Path, seed: int, *, transformer: dict | None = None) -> None:
-    """The Qwen-Image-Edit pipeline tree drawn from ``seed``. ``transformer``: keys overriding the
-    tiny ``QwenImageTransformer2DModel`` arguments (a grown build, :mod:`paco.pretrain.qwen_image`);
-    ``joint_attention_dim`` follows the text encoder. Without it the tiny pipeline's bytes are unchanged."""
+def _build_qwen_image_edit(out_dir: Path, seed: int, *, transformer: dict | None = None,
+                           vae: dict | None = None) -> None:
+    """The Qwen-Image-Edit pipeline tree drawn from ``seed``. ``transformer`` / ``vae``: keys
+    overriding the tiny ``QwenImageTransformer2DModel`` / ``AutoencoderKLQwenImage`` arguments (the
+    pretrained build, :mod:`paco.pretrain.qwen_image`; a ``z_dim`` override must come with
+    ``latents_mean`` / ``latents_std`` of that length and the transformer's ``in_channels`` /
+    ``out_channels`` = ``4 z_dim`` / ``z_dim``); ``joint_attention_dim`` follows the text encoder.
+    Without them the tiny pipeline's bytes are unchanged."""
     import json
 
     from diffusers import (
@@ -404,14 +408,15 @@ def _build_qwen_image_edit(out_dir: Path, seed: int, *, transformer: dict | None
     transformer_config["joint_attention_dim"] = text_encoder.config.text_config.hidden_size
     with _seeded(seed + 1):
         transformer = QwenImageTransformer2DModel(**transformer_config)
-        vae = AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=16,
-            dim_mult=[1, 2, 2, 2],
-            num_res_blocks=1,
-            attn_scales=[],
-            temperal_downsample=[False, True, True],  # 3 levels -> vae_scale_factor 8 as in Qwen-Image
-        )
+        vae = AutoencoderKLQwenImage(**{
+            "base_dim": 8,
+            "z_dim": 16,
+            "dim_mult": [1, 2, 2, 2],
+            "num_res_blocks": 1,
+            "attn_scales": [],
+            "temperal_downsample": [False, True, True],  # 3 levels -> vae_scale_factor 8 as in Qwen-Image
+            **(vae or {}),
+        })
     pipe = QwenImageEditPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
         vae=vae,
