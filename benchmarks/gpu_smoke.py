@@ -513,6 +513,9 @@ def checks(results: dict[str, Any]) -> dict[str, bool]:
         out.update(sft_loss_finite=_finite(s["sft"].get("loss")), sft_lora_changed=s["sft"]["lora_b_abs_max"] > 0)
     if _ran(s, "merge"):
         out["merge_within_tolerance"] = max(s["merge"]["max_abs_diff"].values()) <= s["merge"]["tolerance"]
+        if results["config"]["device"] == "cuda":  # the merge and its checks ran on the GPU: its weights were there
+            weight_gib = s["merge"]["parameters"] * (2 if results["config"]["dtype"] == "bfloat16" else 4) / 2**30
+            out["merge_on_device"] = s["merge"]["peak_gib"] >= 0.9 * weight_gib
     if _ran(s, "grpo"):
         out.update(grpo_loss_finite=_finite(s["grpo"].get("loss")), grpo_lora_changed=s["grpo"]["lora_b_abs_max"] > 0)
     if _ran(s, "final"):

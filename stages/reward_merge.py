@@ -64,7 +64,10 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     def check_scores(judge: Judge) -> list[float]:
         return shard_batches(judge.score, procs, judge.batch_size)(triples)
 
+    # on this process's device (its GPU when one is visible): the merge and the three check
+    # passes of a 7B judge on CPU take hours (a 0.56B real-width judge: 260 s on 16 cores, H200 smoke)
     model, processor = load_judge(args.base, dtype=dtype)
+    model.to(procs.device)
     peft_model = PeftModel.from_pretrained(model, str(args.adapter))
     unmerged = check_scores(Judge(peft_model, processor))
     merged_model = peft_model.merge_and_unload()
@@ -83,7 +86,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
             merged_model.save_pretrained(tmp, safe_serialization=True)
             processor.save_pretrained(tmp)
         procs.barrier()
-        reloaded = check_scores(Judge.from_pretrained(tmp, dtype=dtype))
+        reloaded = check_scores(Judge.from_pretrained(tmp, dtype=dtype, device=procs.device))
         procs.barrier()  # everyone has read the save before it moves
         if not procs.is_main:
             args.metrics = None  # the main process moves the model into place and writes the metrics
