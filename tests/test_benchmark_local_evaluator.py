@@ -199,6 +199,8 @@ def test_a_bench_evaluator_runs_the_model_in_process_only_when_asked(tiny, tmp_p
           "server_kwargs": {"engine": "paco", "device": "cpu", "dtype": "float32"}, "backend": "transformers"}
     ev = BenchEvaluator("tiny", cache_dir=tmp_path / "answers", **kw)
     assert not ev.doubles_single_images and ev.describe()["backend"] == "transformers"
+    ev.start()  # no server, and no load before the first uncached batch
+    assert not ev.started and ev._server is None and not ev._offline.loaded
     requests = [(images(1, seed=4), QUESTION)]
     first = ev.yes_probabilities(requests)
     assert ev.started and ev.asked == 1 and ev._server is None

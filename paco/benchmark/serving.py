@@ -157,15 +157,12 @@ class BenchEvaluator:
         return [([*images, *images] if len(images) == 1 else images, text) for images, text in requests]
 
     def start(self) -> None:
-        """Start this evaluator's server, or load its ``transformers`` model, now (it loads while
-        the caller goes on; a load that fails fails again, named, at the first uncached batch);
-        nothing for a URL evaluator or a started one."""
+        """Start this evaluator's server now (it loads while the caller goes on); nothing for a URL
+        evaluator, a started one or a ``transformers`` one (its model loads at its first uncached
+        batch: the stage asks in-process evaluators one after the other, never together)."""
         from paco.judge.local_server import LocalJudgeServer
 
         with self._lock:
-            if self.backend == "transformers" and not self.started:
-                self.started = True
-                threading.Thread(target=self._load_quietly, name=f"load-{self.name}", daemon=True).start()
             if self.url is not None or self._server is not None or self.backend == "transformers":
                 return
             self._server = LocalJudgeServer(self.model_dir, self.served_model_name, **self._server_kwargs)
@@ -230,14 +227,6 @@ class BenchEvaluator:
     def pending(self, kind: str, requests: Sequence[Any], **kw: Any) -> int:
         """:meth:`Evaluator.pending` against this evaluator's cache."""
         return self._offline.pending(kind, self._adapt(requests), **kw)
-
-    def _load_quietly(self) -> None:
-        """:meth:`LocalEvaluator.load` in :meth:`start`'s thread; its error is raised again, named,
-        by the batch that needs the model (:meth:`_evaluator`)."""
-        try:
-            self._offline.load()
-        except Exception:  # noqa: BLE001 - raised again where it is needed
-            log.debug("evaluator %s: loading in the background failed", self.name, exc_info=True)
 
     def close(self) -> None:
         """Stop the server (if one runs), drop a ``transformers`` model and close the clients
