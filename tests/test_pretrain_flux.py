@@ -138,3 +138,41 @@ def test_kontext_identity_bucket_targets_the_input(tiny_build):
     assert same.x0.shape == edit.x0.shape and not torch.allclose(same.x0, edit.x0)
     assert len(F.kontext_buckets(policy, F.FluxRecipe(**{**TINY, "kontext_identity": 0.0}),
                                  np.random.default_rng(0))) == 1
+
+
+def test_t2i_composites_take_the_recipes_view_settings(tiny_build, monkeypatch):
+    from paco.grpo.policies import load_policy
+    from paco.pretrain import views
+
+    out, _ = tiny_build
+    policy = load_policy("flux", out / "flux", None, F._settings(3.5, F.FluxRecipe()))
+    seen = []
+
+    def recording(*args, **kw):
+        seen.append(kw)
+        return views.layout_grid(*args, **kw)
+
+    monkeypatch.setattr(F, "layout_grid", recording)
+    recipe = F.FluxRecipe(t2i_views=1, t2i_resolutions=[32], t2i_resolution_weights=[1.0],
+                          t2i_crop_scale=(0.5, 0.6), t2i_jitter=0.2, t2i_flip=0.25)
+    F.t2i_buckets(policy, F.t2is_prompts(recipe)[:2], recipe, np.random.default_rng(0))
+    assert seen == [dict(crop_scale=(0.5, 0.6), jitter=0.2, flip=0.25)] * 2
+    default = F.FluxRecipe()  # the shipped recipe: mild crops and jitter, no flips
+    assert (default.t2i_crop_scale, default.t2i_jitter, default.t2i_flip) == ((0.8, 1.0), 0.05, 0.0)
+    with pytest.raises(pydantic.ValidationError, match="t2i_crop_scale"):
+        F.FluxRecipe(t2i_crop_scale=(0.9, 0.5))
+    with pytest.raises(pydantic.ValidationError):
+        F.FluxRecipe(t2i_flip=1.5)
+
+
+def test_a_views_flip_probability_keeps_the_random_stream():
+    from paco.pretrain.views import subject_view
+
+    kept, flipped = np.random.default_rng(3), np.random.default_rng(3)
+    a = subject_view("horse", 40, 24, kept, flip=0.0)
+    b = subject_view("horse", 40, 24, flipped, flip=1.0)
+    np.testing.assert_allclose(b, a[:, ::-1], atol=1e-6)  # the same crop and jitter, mirrored
+    assert kept.random() == flipped.random()  # one draw for the flip either way
+    # the default (probability 1/2) is the stream the other builders were trained with
+    np.testing.assert_array_equal(subject_view("horse", 40, 24, np.random.default_rng(3)),
+                                  a if np.random.default_rng(3).random() >= 0.5 else a[:, ::-1])

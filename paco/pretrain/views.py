@@ -31,10 +31,11 @@ _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 
 
 def subject_view(name: str, width: int, height: int, rng: np.random.Generator, *,
-                 crop_scale: tuple[float, float] = (0.4, 1.0), jitter: float = 0.1) -> np.ndarray:
+                 crop_scale: tuple[float, float] = (0.4, 1.0), jitter: float = 0.1, flip: float = 0.5) -> np.ndarray:
     """A random view of photograph ``name``: a crop of area fraction in ``crop_scale`` at aspect
-    ``width / height`` (:func:`paco.data.photos._view`), a horizontal flip with probability 1/2,
-    then brightness, contrast and saturation factors each uniform in ``[1 - jitter, 1 + jitter]``.
+    ``width / height`` (:func:`paco.data.photos._view`), a horizontal flip with probability ``flip``
+    (one uniform draw whatever ``flip`` is, so the random stream does not depend on it), then
+    brightness, contrast and saturation factors each uniform in ``[1 - jitter, 1 + jitter]``.
 
     Returns:
         float32 ``(height, width, 3)`` in [0, 1].
@@ -42,7 +43,7 @@ def subject_view(name: str, width: int, height: int, rng: np.random.Generator, *
     Raises:
         ValueError: an unknown subject (from :func:`paco.data.photos.load_subject`).
     """
-    arr = _view(load_subject(name), int(width), int(height), rng, crop_scale, bool(rng.random() < 0.5))
+    arr = _view(load_subject(name), int(width), int(height), rng, crop_scale, bool(rng.random() < flip))
     b, c, s = 1.0 + rng.uniform(-jitter, jitter, 3)
     grey = (arr @ _LUMA)[..., None]
     arr = grey + (arr - grey) * s
