@@ -326,7 +326,8 @@ def t2is_prompts(recipe: FluxRecipe) -> list[dict[str, Any]]:
 def t2i_buckets(policy: Any, prompts: Sequence[dict[str, Any]], recipe: FluxRecipe, rng: np.random.Generator
                 ) -> list[_Bucket]:
     """One bucket per (training resolution, sampled size): ``recipe.t2i_views`` layout grids of
-    each prompt's subject (views per ``recipe.t2i_crop_scale`` / ``t2i_jitter`` / ``t2i_flip``), encoded (:func:`encode_packed`), with the prompt's conditioning."""
+    each prompt's subject (views per ``recipe.t2i_crop_scale`` / ``t2i_jitter`` / ``t2i_flip``),
+    encoded (:func:`encode_packed`), with the prompt's conditioning."""
     from paco.grpo.policies import grid_size
 
     buckets = []
