@@ -3,7 +3,8 @@
 Every figure in the page is read from what the stages wrote under ``data/`` (each stage's
 ``metrics.json`` and ``report.json``, GRPO's ``plots/train.csv``), so the page cannot drift
 from the run it describes: regenerate it after ``dvc repro`` instead of editing it. Nothing is
-computed here but formatting and one plot of the training reward curves (``--figures``).
+computed here but formatting, one plot of the training reward curves and small JPEG excerpts of
+the final samples' contact sheets (``--figures``: :func:`sample_excerpts`).
 
 Usage::
 
@@ -225,9 +226,165 @@ def reward_curves(data: Path, out: Path) -> Path:
     return out
 
 
+#: the contact sheet's cell padding and caption height, px (``paco.grpo.final_samples.contact_sheet``)
+SHEET_PAD, SHEET_CAPTION = 6, 14
+#: the columns an excerpt reads from ``samples.parquet`` (``paco.grpo.final_samples.SAMPLE_COLUMNS``)
+EXCERPT_COLUMNS = ("prompt_id", "seed", "variant", "image")
+
+
+def _read_columns(path: Path, columns: Sequence[str], what: str) -> Any:
+    """``columns`` of the parquet file ``path`` as a DataFrame; :class:`ResultsError` naming
+    the file and the first missing column (or the read error)."""
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+    except FileNotFoundError:
+        raise ResultsError(f"{path}: missing ({what})") from None
+    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a corrupt file
+        raise ResultsError(f"{path}: not a readable parquet file ({exc})") from None
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise ResultsError(f"{path}: no column {missing[0]!r} ({what} needs {list(columns)})")
+    return pq.read_table(path, columns=list(columns)).to_pandas()
+
+
+def choose_items(ids: Sequence[str], rows: int, *, distinct_edits: bool) -> list[str]:
+    """The first ``rows`` ids in sorted order; with ``distinct_edits``, edit item ids
+    (``<image>-<edit type>``, e.g. ``coffee-cool_cast``) are taken one per distinct edit type (the
+    part after the last ``-``) first, in sorted order, then topped up with the remaining ids in
+    sorted order. ``rows >= 1``; returns ``min(rows, len(set(ids)))`` ids."""
+    ordered = sorted(set(map(str, ids)))
+    if not distinct_edits:
+        return ordered[:rows]
+    seen: set[str] = set()
+    first: list[str] = []
+    for pid in ordered:
+        edit = pid.rpartition("-")[2]
+        if edit not in seen:
+            seen.add(edit)
+            first.append(pid)
+    chosen = first[:rows]
+    return chosen + [pid for pid in ordered if pid not in chosen][:rows - len(chosen)]
+
+
+def _fit_label(label: str, width: int) -> str:
+    """``label`` cut (ending in ``..``) to at most ``width`` px in the sheet's default font."""
+    from PIL import Image, ImageDraw
+
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    if draw.textlength(label) <= width:
+        return label
+    while label and draw.textlength(label + "..") > width:
+        label = label[:-1]
+    return label + ".."
+
+
+def _excerpt_pairs(path: Path, rows: int, edit: bool) -> tuple[list[tuple[str, int, Any, Any]], int]:
+    """``([(prompt_id, seed, base cell, lora cell)], n prompts in the file)`` for the chosen items
+    (:func:`choose_items`), each at its lowest seed; :class:`ResultsError` for a missing column,
+    no base/LoRA sample of a chosen (prompt, seed), or a duplicated (prompt, seed, variant)."""
+    table = _read_columns(path, EXCERPT_COLUMNS, "the sample excerpt")
+    if table.empty:
+        raise ResultsError(f"{path}: no samples (no base/lora pair)")
+    table["prompt_id"] = table["prompt_id"].astype(str)
+    dup = table.duplicated(["prompt_id", "seed", "variant"])
+    if dup.any():
+        r = table[dup].iloc[0]
+        raise ResultsError(f"{path}: two {r['variant']!r} samples of ({r['prompt_id']}, seed {r['seed']})")
+    pairs = []
+    for pid in choose_items(table["prompt_id"].tolist(), rows, distinct_edits=edit):
+        mine = table[table["prompt_id"] == pid]
+        seed = int(mine["seed"].min())
+        cells = {v: mine[(mine["seed"] == seed) & (mine["variant"] == v)]["image"] for v in ("base", "lora")}
+        for v, cell in cells.items():
+            if cell.empty:
+                raise ResultsError(f"{path}: no {v!r} sample of ({pid}, seed {seed}) (no base/lora pair)")
+        pairs.append((pid, seed, cells["base"].iloc[0], cells["lora"].iloc[0]))
+    return pairs, int(table["prompt_id"].nunique())
+
+
+def sample_excerpts(data: Path, figures: Path, *, rows: int = 4, thumb: int = 128) -> dict[str, Path]:
+    """A small contact sheet of the final samples per subtask: ``figures/samples_<subtask>.jpg``.
+
+    For every ``data/final_samples/<subtask>/`` holding a ``samples.parquet``: the first ``rows``
+    prompts by ``prompt_id`` (edits: one per distinct edit type first, :func:`choose_items`), each
+    at its lowest seed, one sheet row each: ``base | LoRA`` for T2IS, ``input | base | LoRA`` for
+    edits (``final_samples.<subtask>.dataset`` in ``params_check/params.json`` is ``edits``; the
+    input image is ``data/edits/edits.parquet`` ``input_image`` of the ``item_id``, as the stage's
+    ``compare`` sheet takes it). Cells are :func:`paco.grpo.final_samples.contact_sheet` thumbnails
+    with a longest side of ``thumb`` px, so the sheet is ``cols * (thumb + 6) + 6`` px wide and
+    ``18 + rows * (thumb + 14 + 6) + 6`` px high; JPEG, quality 85, no metadata: the same data
+    gives the same bytes.
+
+    Args:
+        data: the run's data folder. figures: where the JPEGs go (created).
+        rows: items per sheet, >= 1 (fewer when the file has fewer). thumb: cell size, px, >= 16.
+
+    Returns:
+        ``{subtask: path}`` in sorted subtask order (empty when no subtask has samples).
+
+    Raises:
+        ResultsError: a ``samples.parquet`` lacking a column of :data:`EXCERPT_COLUMNS` or a
+            base/LoRA pair, an undecodable image, ``params.json`` without the subtask's
+            ``dataset``/``split``, or an edit item without an input image (each names the file).
+        ValueError: ``rows < 1`` or ``thumb < 16``.
+    """
+    from paco.core.io import ImageDecodeError, decode_image
+    from paco.grpo.final_samples import contact_sheet
+
+    if rows < 1 or thumb < 16:
+        raise ValueError(f"rows must be >= 1 and thumb >= 16 px, got rows={rows}, thumb={thumb}")
+    params_path = data / "params_check" / "params.json"
+    params = _load(params_path)
+    root = data / "final_samples"
+    subs = sorted(p.name for p in root.iterdir() if (p / "samples.parquet").is_file()) if root.is_dir() else []
+    out: dict[str, Path] = {}
+    for sub in subs:
+        path = root / sub / "samples.parquet"
+        edit = _get(params, f"final_samples.{sub}.dataset", params_path) == "edits"
+        split = _get(params, f"final_samples.{sub}.split", params_path)
+        pairs, total = _excerpt_pairs(path, rows, edit)
+        inputs: dict[str, Any] = {}
+        if edit:
+            epath = data / "edits" / "edits.parquet"
+            items = _read_columns(epath, ("item_id", "input_image"), f"the input images of {sub}")
+            inputs = dict(zip(items["item_id"].astype(str), items["input_image"], strict=True))
+        images, labels = [], []
+        try:
+            for pid, seed, base, lora in pairs:
+                if edit:
+                    if pid not in inputs:
+                        raise ResultsError(f"{data / 'edits' / 'edits.parquet'}: no item {pid!r} (the input of {path})")
+                    images.append(decode_image(inputs[pid], what=f"edit {pid} input_image"))
+                    labels.append(f"{pid} input")
+                images += [decode_image(base, what=f"{path} {pid} s{seed} base"),
+                           decode_image(lora, what=f"{path} {pid} s{seed} lora")]
+                labels += [f"{pid} base", f"{pid} LoRA"]
+        except ImageDecodeError as exc:
+            raise ResultsError(str(exc)) from None
+        seeds = sorted({s for _, s, _, _ in pairs})
+        kind = "items" if edit else "prompts"
+        which = "held-out" if split == "test" else f"split {split}"
+        title = (f"{sub}: {'input | ' if edit else ''}base | LoRA (seed {', '.join(map(str, seeds))}, "
+                 f"{len(pairs)} of {total} {which} {kind})")
+        cols = 3 if edit else 2
+        sheet = contact_sheet(images, [_fit_label(s, thumb + SHEET_PAD - 2) for s in labels], columns=cols,
+                              thumb=thumb, title=_fit_label(title, cols * (thumb + SHEET_PAD) - SHEET_PAD))
+        figures.mkdir(parents=True, exist_ok=True)
+        target = figures / f"samples_{sub}.jpg"
+        sheet.save(target, "JPEG", quality=85, optimize=True)
+        out[sub] = target
+    return out
+
+
 def render(data: Path, figures: Path | None, out: Path) -> str:
-    """The page's markdown; with ``figures``, the reward plot is written there and linked
-    relative to ``out``'s folder."""
+    """The page's markdown; with ``figures``, the reward plot and the final samples' excerpts
+    (:func:`sample_excerpts`) are written there and linked relative to ``out``'s folder.
+
+    Raises:
+        ResultsError: a stage's file is missing or lacks a figure the page reports (named).
+    """
     params = _load(data / "params_check" / "params.json")
     seeds = {k: v["seed"] for k, v in params.get("grpo", {}).items()}
     lines = ["# Results of the embedded default", "",
@@ -242,9 +399,15 @@ def render(data: Path, figures: Path | None, out: Path) -> str:
         figures.mkdir(parents=True, exist_ok=True)
         rel = Path(os.path.relpath(figures, out.parent))
         curve = reward_curves(data, figures / "grpo_reward_curves.png")
-        lines += [f"![GRPO training reward per epoch]({(rel / curve.name).as_posix()})", "",
-                  "The final samples' contact sheets stay with the run (`data/final_samples/<subtask>/sheets/`: "
-                  "`base.png`, `lora.png`, and `compare.png` input / base / LoRA for edits; several MB each).", ""]
+        lines += [f"![GRPO training reward per epoch]({(rel / curve.name).as_posix()})", ""]
+        excerpts = sample_excerpts(data, figures)
+        if excerpts:
+            lines += ["Final samples, excerpts: the first prompts (edit items: one per edit type) by id, each at "
+                      "its lowest seed, without (base) and with the LoRA. The full contact sheets stay with the run "
+                      "(`data/final_samples/<subtask>/sheets/`: `base.png`, `lora.png`, and `compare.png` "
+                      "input / base / LoRA for edits; several MB each).", ""]
+            lines += [f"![{sub}: final samples, base and LoRA]({(rel / p.name).as_posix()})\n"
+                      for sub, p in excerpts.items()]
     for section in (judge_section, grpo_section, timing_section):
         lines += section(data) + [""]
     return "\n".join(lines).rstrip() + "\n"
@@ -255,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=Path("data"), help="the run's data folder (default data)")
     p.add_argument("--out", type=Path, default=Path("docs/results.md"), help="the page to write")
     p.add_argument("--figures", default="docs/figures/results",
-                   help="where the reward plot goes ('' for none)")
+                   help="where the reward plot and sample excerpts go ('' for none)")
     args = p.parse_args(argv)
     try:
         text = render(args.data, Path(args.figures) if args.figures else None, args.out)

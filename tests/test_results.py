@@ -4,8 +4,11 @@ import json
 
 import pandas as pd
 import pytest
+from PIL import Image
 
 from paco import results
+from paco.core.io import encode_image
+from paco.grpo.final_samples import contact_sheet
 
 
 def _write(path, doc):
@@ -19,6 +22,26 @@ def _judge(acc, tau, p):
             "accuracy_vs_chance": vs, "accuracy_vs_chance_per_prompt": {**vs, "p_value": 0.011, "n": 8}}
 
 
+def _colour(item, seed, variant):
+    """A solid colour per (item index, seed, variant), far apart in every channel."""
+    return (30 + 70 * item, 30 + 90 * seed, {"base": 40, "lora": 210, "input": 125}[variant])
+
+
+def _cell(colour, side=32):
+    return encode_image(Image.new("RGB", (side, side), colour))
+
+
+def _samples(ids_seeds):
+    """samples.parquet rows (the columns the excerpt reads, plus one more), in a shuffled order."""
+    rows = [{"sample_id": f"{pid}-s{k}-{v}", "prompt_id": pid, "seed": k, "variant": v, "image": _cell(_colour(i, k, v))}
+            for i, (pid, seeds) in enumerate(ids_seeds) for k in seeds for v in ("base", "lora")]
+    return pd.DataFrame(rows[::-1])
+
+
+#: the fake T2IS samples: prompt t2is-0002 has no seed 0, so its lowest seed is 1
+T2IS_SAMPLES = (("t2is-0001", (0, 2)), ("t2is-0002", (2, 1)), ("t2is-0003", (0, 1)))
+
+
 def _run(wall, rss_mb, torch=2):
     return {"wall_seconds": wall, "peak_rss_mb": rss_mb, "processes": 1, "threads": {"torch": torch}}
 
@@ -26,7 +49,8 @@ def _run(wall, rss_mb, torch=2):
 @pytest.fixture
 def data(tmp_path):
     d = tmp_path / "data"
-    _write(d / "params_check" / "params.json", {"grpo": {"t2is": {"seed": 3}}, "reward_train": {"seed": 0}})
+    _write(d / "params_check" / "params.json", {"grpo": {"t2is": {"seed": 3}}, "reward_train": {"seed": 0},
+                                                "final_samples": {"t2is": {"dataset": "prompts", "split": "test"}}})
     edit = {q: {"accuracy": a, "n": n, "p_value": 0.07} for q, a, n in
             (("consistency", 0.75, 12), ("prompt_following", 0.357, 28), ("overall", 0.475, 40))}
     _write(d / "reward_eval" / "report.json", {
@@ -52,6 +76,7 @@ def data(tmp_path):
                                     "improved_fraction": 1.0, "paired_t_p_value": 6.4e-14},
                     "clip_t": {"base_mean": 0.01705, "lora_mean": 0.01841, "lora_minus_base": 0.00136,
                                "improved_fraction": 0.4375}}})
+    _samples(T2IS_SAMPLES).to_parquet(d / "final_samples" / "t2is" / "samples.parquet")
     _write(d / "prompts" / "report.json", {"run": _run(0.4, 140.0, torch=None)})
     return d
 
@@ -71,6 +96,9 @@ def test_the_page_holds_the_runs_figures(data, tmp_path):
     assert "GRPO seeds: t2is 3; reward_train seed 0." in page
     assert "![GRPO training reward per epoch](fig/grpo_reward_curves.png)" in page
     assert (tmp_path / "docs" / "fig" / "grpo_reward_curves.png").stat().st_size > 1000
+    assert "![t2is: final samples, base and LoRA](fig/samples_t2is.jpg)" in page
+    assert "`data/final_samples/<subtask>/sheets/`" in page and "stay with the run" in page
+    assert (tmp_path / "docs" / "fig" / "samples_t2is.jpg").is_file()
     # the stages' wall times add up: 0.4 + 295.2 + 49.4 + 192.55 + 32.8 s
     assert f"{(0.4 + 295.2 + 49.4 + 192.55 + 32.8) / 60:.1f} min" in page
 
@@ -89,3 +117,69 @@ def test_p_values_and_gains_are_formatted_as_the_page_prints_them():
     assert results.fmt_p(5.45e-27) == "5e-27" and results.fmt_p(0.0606) == "0.061" and results.fmt_p(None) == "-"
     assert results.fmt_gain(0.0221) == "+0.022" and results.fmt_gain(-0.119) == "-0.119"
     assert results.fmt(0.43014) == "0.430" and results.fmt(7) == "7" and results.fmt(None) == "-"
+
+
+def _cell_colour(sheet, row, col, thumb=32, pad=6, cap=14, head=18):
+    """The colour at the centre of a contact-sheet cell (contact_sheet's layout, computed here)."""
+    return sheet.getpixel((pad + col * (thumb + pad) + thumb // 2, head + pad + row * (thumb + cap + pad) + thumb // 2))
+
+
+def _assert_colours(sheet, expected):
+    for (row, col), want in expected.items():
+        got = _cell_colour(sheet, row, col)
+        assert max(abs(g - w) for g, w in zip(got, want)) <= 12, (row, col, got, want)
+
+
+def test_the_sample_excerpt_is_the_first_prompts_at_their_lowest_seed(data, tmp_path):
+    out = results.sample_excerpts(data, tmp_path / "a", rows=2, thumb=32)
+    assert out == {"t2is": tmp_path / "a" / "samples_t2is.jpg"}
+    raw = out["t2is"].read_bytes()
+    assert raw[:2] == b"\xff\xd8"  # JPEG
+    sheet = Image.open(out["t2is"])
+    assert "exif" not in sheet.info
+    # 2 columns x 2 rows of 32 px cells: cols * (32 + 6) + 6 wide, 18 + rows * (32 + 14 + 6) + 6 high
+    assert sheet.size == (2 * 38 + 6, 18 + 2 * 52 + 6)
+    same = [Image.new("RGB", (32, 32), _colour(i, k, v)) for i, k in ((0, 0), (1, 1)) for v in ("base", "lora")]
+    assert sheet.size == contact_sheet(same, ["x"] * 4, columns=2, thumb=32, title="t").size
+    sheet = sheet.convert("RGB")
+    # t2is-0001 at seed 0, t2is-0002 at seed 1 (it has no seed 0); never t2is-0003 nor seed 2
+    _assert_colours(sheet, {(r, c): _colour(i, k, v) for r, (i, k) in enumerate(((0, 0), (1, 1)))
+                            for c, v in enumerate(("base", "lora"))})
+    again = results.sample_excerpts(data, tmp_path / "b", rows=2, thumb=32)
+    assert again["t2is"].read_bytes() == raw
+
+
+def test_an_editing_excerpt_shows_input_base_lora_one_edit_type_each(data, tmp_path):
+    ids = ("a-blur", "b-blur", "c-zoom")  # distinct edit types first: a-blur, c-zoom (not b-blur)
+    params = json.loads((data / "params_check" / "params.json").read_text())
+    params["final_samples"]["ed"] = {"dataset": "edits", "split": "test"}
+    _write(data / "params_check" / "params.json", params)
+    (data / "edits").mkdir()
+    pd.DataFrame({"item_id": list(ids), "instruction": ["x"] * 3,
+                  "input_image": [_cell(_colour(i, 0, "input")) for i in range(3)]}).to_parquet(
+        data / "edits" / "edits.parquet")
+    (data / "final_samples" / "ed").mkdir()
+    _samples([(pid, (0, 1)) for pid in ids]).to_parquet(data / "final_samples" / "ed" / "samples.parquet")
+    out = results.sample_excerpts(data, tmp_path / "fig", rows=2, thumb=32)
+    assert sorted(out) == ["ed", "t2is"]
+    sheet = Image.open(out["ed"])
+    assert sheet.size == (3 * 38 + 6, 18 + 2 * 52 + 6)
+    _assert_colours(sheet.convert("RGB"), {(r, c): _colour(i, 0, v) for r, i in enumerate((0, 2))
+                                           for c, v in enumerate(("input", "base", "lora"))})
+    assert results.choose_items(["b-x", "a-x", "a-y"], 3, distinct_edits=True) == ["a-x", "a-y", "b-x"]
+    assert results.choose_items(["b-x", "a-x", "a-y"], 2, distinct_edits=False) == ["a-x", "a-y"]
+    (data / "edits" / "edits.parquet").unlink()
+    with pytest.raises(results.ResultsError, match="edits.parquet: missing"):
+        results.sample_excerpts(data, tmp_path / "fig")
+
+
+def test_a_samples_file_without_a_variant_or_a_pair_is_named(data, tmp_path):
+    path = data / "final_samples" / "t2is" / "samples.parquet"
+    table = _samples(T2IS_SAMPLES)
+    table.drop(columns="variant").to_parquet(path)
+    with pytest.raises(results.ResultsError, match="t2is/samples.parquet: no column 'variant'"):
+        results.sample_excerpts(data, tmp_path)
+    assert results.main(["--data", str(data), "--out", str(tmp_path / "r.md"), "--figures", str(tmp_path)]) == 2
+    table[~((table["prompt_id"] == "t2is-0001") & (table["variant"] == "lora"))].to_parquet(path)
+    with pytest.raises(results.ResultsError, match=r"no 'lora' sample of \(t2is-0001, seed 0\)"):
+        results.sample_excerpts(data, tmp_path)
