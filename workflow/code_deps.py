@@ -25,9 +25,11 @@ def _module_file(module: str) -> Path | None:
     return path / "__init__.py" if (path / "__init__.py").is_file() else None
 
 
-def _project_imports(path: Path) -> set[Path]:
+@functools.cache
+def _project_imports(path: Path) -> frozenset[Path]:
     """Files of the project modules ``path`` imports (module or function level), with the
-    ``__init__.py`` of every package on the way (Python runs them too)."""
+    ``__init__.py`` of every package on the way (Python runs them too). Cached per file: one
+    process parses each source file once, however many stages' closures walk it."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         names: list[str] = []
@@ -48,7 +50,7 @@ def _project_imports(path: Path) -> set[Path]:
                     sub = _lazy_exports(init).get(parts[-1])
                     if sub and (f := _module_file(".".join(parts[:-1] + [sub]))) is not None:
                         found.add(f)
-    return found
+    return frozenset(found)
 
 
 @functools.cache
