@@ -73,12 +73,14 @@ def test_code_closure_follows_function_level_and_lazy_imports(tmp_path, monkeypa
     monkeypatch.setattr(code_deps, "ROOT", tmp_path)
     code_deps.code_closure.cache_clear()
     code_deps._lazy_exports.cache_clear()
+    code_deps._project_imports.cache_clear()
     try:
         assert code_deps.code_closure("stages/s.py") == (
             "paco/__init__.py", "paco/lazy.py", "paco/sub/__init__.py", "paco/sub/impl.py", "stages/s.py")
     finally:
         code_deps.code_closure.cache_clear()
         code_deps._lazy_exports.cache_clear()
+        code_deps._project_imports.cache_clear()
 
 
 def test_foreach_members_take_their_item():
