@@ -226,8 +226,8 @@ def reward_curves(data: Path, out: Path) -> Path:
     return out
 
 
-#: the contact sheet's cell padding and caption height, px (``paco.grpo.final_samples.contact_sheet``)
-SHEET_PAD, SHEET_CAPTION = 6, 14
+#: the contact sheet's cell padding, px (``paco.grpo.final_samples.contact_sheet``), to fit labels to a cell
+SHEET_PAD = 6
 #: the columns an excerpt reads from ``samples.parquet`` (``paco.grpo.final_samples.SAMPLE_COLUMNS``)
 EXCERPT_COLUMNS = ("prompt_id", "seed", "variant", "image")
 
