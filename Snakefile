@@ -31,7 +31,8 @@ workflow.localrules(*local_rules(config))
 
 def member_outputs(m):
     s = m.stage
-    return [m.resolve(p, config) for p in list(s.active_out_dirs(config)) + list(s.outs) + list(s.metrics) + list(s.plot_outs)]
+    return [m.resolve(p, config) for p in list(s.active_out_dirs(config)) + list(s.outs) + list(s.metrics)
+            + list(s.reports) + list(s.plot_outs)]
 
 
 rule all:
@@ -51,7 +52,7 @@ for _m in MEMBERS:
             _m.deps(config) + list(_s.code),
         output:
             [directory(_m.resolve(d, config)) for d in _s.active_out_dirs(config)]
-            + [_m.resolve(p, config) for p in list(_s.outs) + list(_s.metrics) + list(_s.plot_outs)],
+            + [_m.resolve(p, config) for p in list(_s.outs) + list(_s.metrics) + list(_s.reports) + list(_s.plot_outs)],
         params:
             # the command, bound now: a `shell:` expression is evaluated when the job runs,
             # after this loop has moved on to the last stage

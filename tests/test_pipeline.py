@@ -363,6 +363,28 @@ def test_a_param_change_puts_only_its_stages_and_descendants_out_of_date(dvc_rep
     (repo / "params.yaml").write_text(original)
 
 
+def test_the_run_cache_restores_the_report_of_the_outputs_it_restores(tmp_path):
+    """Params A -> B -> A: the last ``dvc repro`` restores A's outputs from DVC's run cache
+    without running the stage, and ``report.json`` with them (it is a declared, cached output):
+    byte for byte A's report (its wall time included, which no rerun reproduces), not B's left
+    over. ``prompts`` is the cheapest stage with a seed."""
+    repo = clone(tmp_path)
+    committed = (repo / "params.yaml").read_text()
+    parquet, rep = repo / "data/prompts/prompts.parquet", repo / "data/prompts/report.json"
+    dvc = [sys.executable, "-m", "dvc", "repro", "prompts"]
+    assert ran_stages(sh(dvc, repo)) == ["prompts"]
+    first = {"table": md5(parquet), "report": rep.read_bytes()}
+    _set(repo, "prompts", "seed", yaml.safe_load(committed)["prompts"]["seed"] + 1)
+    assert ran_stages(sh(dvc, repo)) == ["prompts"]
+    assert md5(parquet) != first["table"]  # another test split
+    assert rep.read_bytes() != first["report"]
+    (repo / "params.yaml").write_text(committed)
+    out = sh(dvc, repo)
+    assert ran_stages(out) == [] and "Stage 'prompts' is cached - skipping run" in out, out[-2000:]
+    assert md5(parquet) == first["table"]
+    assert rep.read_bytes() == first["report"]
+
+
 def test_snakemake_runs_the_same_stages_with_identical_outputs(dvc_repo, tmp_path):
     dvc_dir, _ = dvc_repo
     repo = clone(tmp_path)

@@ -457,7 +457,8 @@ def render_dvc(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     for s in STAGES:
         entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.active_deps(config)) + list(s.code),
                                  "params": [{PARAMS_FILE: None}] if s.whole_params_file else s.params_entries(config)}
-        entry["outs"] = list(s.active_out_dirs(config)) + list(s.outs) + [{p: {"persist": True}} for p in s.persist]
+        entry["outs"] = (list(s.active_out_dirs(config)) + list(s.outs) + list(s.reports)
+                         + [{p: {"persist": True}} for p in s.persist])
         if s.metrics:
             entry["metrics"] = list(s.metrics)
         if s.stage_plots:

@@ -8,6 +8,7 @@ A stage's ``code`` is its import closure (:func:`workflow.code_deps.code_closure
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -104,7 +105,8 @@ class Stage:
         code: source files whose change reruns the stage.
         params: top-level ``params.yaml`` sections the stage reads.
         outs: output files; ``out_dirs``: output directories.
-        metrics: metrics JSON files (also outputs).
+        metrics: metrics JSON files (also outputs); the ``report.json`` beside each is an
+            output too (:attr:`reports`).
         persist: output directories kept across runs (checkpoints, resumable progress): DVC
             ``persist: true``; Snakemake does not declare them (it would delete them first).
         plots: DVC plot definitions (top-level ``plots:`` entries) for this stage's outputs.
@@ -254,6 +256,14 @@ class Stage:
     @property
     def plot_outs(self) -> tuple[str, ...]:
         return tuple(path for plot in self.stage_plots for path in plot)
+
+    @property
+    def reports(self) -> tuple[str, ...]:
+        """The ``report.json`` beside each metrics file (:func:`paco.core.stage.report_path`):
+        declared outputs of both engines, cached like the others, so that DVC's run cache, which
+        restores a stage's outputs instead of running it, restores the report of the run whose
+        outputs it restores (an undeclared report would be left over from whatever ran last)."""
+        return tuple(posixpath.join(posixpath.dirname(m), "report.json") for m in self.metrics)
 
     def members(self, config: Mapping[str, Any]) -> list[Member]:
         """The concrete stages: one for a plain stage, one per key of ``config[foreach]``.
