@@ -254,7 +254,7 @@ def dvc_repro_noop(dvc_repo):
 #: an evaluation-only change of GRPO: ``dvc repro`` reruns grpo@t2is, which re-evaluates the kept
 #: weights without an optimizer step (the LoRA bytes are unchanged, so final_samples@t2is is not rerun)
 EVAL_CHANGE = ("grpo", "t2is", "eval", "num_steps", 6)
-#: what is compared bit for bit: every output under data/ but the undeclared reports, the
+#: what is compared bit for bit: every output under data/ but the reports (timings), the
 #: persisted checkpoints / progress, and DVC's own files
 SKIP = re.compile(r"(^|/)(report\.json|checkpoints/.*|progress/.*|\.gitignore)$")
 #: the outputs of grpo@t2is that an evaluation change rewrites (and a return to the committed

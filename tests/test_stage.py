@@ -74,7 +74,7 @@ def test_expected_failures_are_one_line_and_exit_2(tmp_path, params, caplog, exc
 
 @pytest.mark.parametrize("failure", ["artifact", "params", "bug"])
 def test_a_failed_run_leaves_no_previous_report(tmp_path, params, monkeypatch, failure):
-    """The previous run's ``report.json`` (undeclared, so no engine removes it) is gone once a run
+    """The previous run's ``report.json`` (a stage run by hand has no engine to remove it) is gone once a run
     starts: a failed run cannot leave it looking like its own."""
     monkeypatch.delenv("RANK", raising=False)
     report = tmp_path / "out" / "report.json"

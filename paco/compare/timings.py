@@ -2,8 +2,8 @@
 
 The plot CSVs hold no timings (``plots/train.csv`` rows are deterministic figures only: the GRPO
 trainer's ``epoch_row``), and the trainer's per-epoch ``epoch_seconds`` go to the stage's
-``report.json``, which is no DVC output (not kept at an experiment's revision); so the timings
-come from a run's log: ``dvc queue logs <name>`` (:func:`queue_log`) or a file given with
+``report.json``, a cached DVC output that is not in git (reading it at an experiment's revision
+means checking the experiment out); so the timings come from a run's log: ``dvc queue logs <name>`` (:func:`queue_log`) or a file given with
 ``--log NAME=PATH``.
 """
 from __future__ import annotations

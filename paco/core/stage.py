@@ -140,8 +140,9 @@ def peak_rss_mb() -> float:
 class StageOutput:
     """What a stage body returns: ``metrics`` (the stage's declared ``metrics.json``: the headline
     figures a user compares across runs with ``dvc metrics diff`` / ``dvc exp show``;
-    deterministic, so a cached run equals a fresh one) and ``report`` (the undeclared
-    ``report.json`` beside it: timings, memory, resume decisions, per-item details)."""
+    deterministic, so a cached run equals a fresh one) and ``report`` (the
+    ``report.json`` beside it, a declared output but not metrics: timings, memory, resume
+    decisions, per-item details; not deterministic)."""
 
     metrics: dict[str, Any]
     report: dict[str, Any] = field(default_factory=dict)
@@ -183,9 +184,9 @@ def run(
     taken as the metrics); this writes ``metrics`` atomically to ``--metrics`` and ``report``
     plus ``run.wall_seconds`` and ``run.peak_rss_mb`` to ``report.json`` beside it (a body sets
     ``args.<metrics_arg> = None`` on non-main processes: nothing is written). The previous run's
-    ``report.json`` (no declared output, so neither DVC nor Snakemake removes it) is removed
-    first, by the main process (launcher ``RANK`` 0 or unset), before params are read: a failed
-    run leaves no report that looks like its own.
+    ``report.json`` (a declared output, :attr:`workflow.stage.Stage.reports`, but a stage run by
+    hand has no engine to remove it) is removed first, by the main process (launcher ``RANK`` 0
+    or unset), before params are read: a failed run leaves no report that looks like its own.
 
     Returns the process exit code: 0 on success, 2 for invalid params, a bad input artifact or
     an environment failure (full disk, no permission: ``OSError`` naming its file) -- one logged
