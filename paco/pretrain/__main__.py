@@ -4,7 +4,7 @@
                                    [--only flux,clip,...]
 
 Builds each tiny model (:mod:`paco.models.tiny`), pretrains it (:mod:`paco.pretrain.flux`,
-``.qwen_image``, ``.clip``, ``.judge_vision``) with the recipe's seeds, step counts and learning
+``.qwen_image``, ``.clip``, ``.judge_vision``, ``.judge_vlm``) with the recipe's seeds, step counts and learning
 rates, and writes one Hugging Face / diffusers directory per model under ``--out`` with a
 ``pretrain.json`` (the recipe section, the figures, the seconds, the library versions). Each
 directory is written to a temporary sibling and renamed over the old one, so an interrupted run
@@ -42,6 +42,7 @@ BUILDERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen_image_edit": ("paco.pretrain.qwen_image", ("qwen_image_edit",)),
     "clip": ("paco.pretrain.clip", ("clip",)),
     "qwen2_5_vl": ("paco.pretrain.judge_vision", ("qwen2_5_vl",)),
+    "qwen2_5_vl_pairs": ("paco.pretrain.judge_vlm", ("qwen2_5_vl_pairs",)),
 }
 DEFAULT_RECIPE = Path("data/raw/pretrained/recipe.yaml")
 DEFAULT_OUT = Path("data/raw/pretrained")

@@ -96,6 +96,12 @@ class LoraParams(_Section):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="module names inside the language model (vision tower and merger stay frozen)",
     )
+    vision_target_modules: list[str] = Field(
+        default_factory=list,
+        description="module names inside the vision tower and its patch merger that also get LoRA "
+                    "(not in the paper, whose tower stays frozen), e.g. [qkv, proj, gate_proj, up_proj, "
+                    "down_proj] for the blocks and mlp.0, mlp.2 for the merger (dotted suffixes of module names); [] (default): none",
+    )
 
 
 class PairAugmentParams(_Section):
