@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +178,59 @@ def projection_head(hidden: int, out: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, out))
 
 
-def _lr_lambda(recipe: JudgeVisionRecipe):
-    def factor(step: int) -> float:  # linear warm-up, then cosine decay to 0
-        if step < recipe.warmup_steps:
-            return (step + 1) / recipe.warmup_steps
-        span = max(1, recipe.steps - recipe.warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * (step - recipe.warmup_steps) / span))
+def warmup_cosine(steps: int, warmup_steps: int, floor: float = 0.0) -> Callable[[int], float]:
+    """The learning-rate factor of step ``step`` (0-based): linear warm-up ``(step + 1) /
+    warmup_steps`` over the first ``warmup_steps``, then a cosine from 1 down to ``floor`` at
+    step ``steps`` (SGDR's annealing, Loshchilov & Hutter 2017, eq. 5, one cycle)."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, steps - warmup_steps)
+        return floor + (1.0 - floor) * (0.5 * (1.0 + math.cos(math.pi * (step - warmup_steps) / span)))
     return factor
+
+
+def optimise(model: torch.nn.Module, params: list[torch.nn.Parameter], step_loss: Callable[[], torch.Tensor], *,
+             steps: int, learning_rate: float, weight_decay: float, lr_factor: Callable[[int], float],
+             max_grad_norm: float | None = None, desc: str, progress: bool = True) -> list[float]:
+    """``steps`` AdamW steps of ``step_loss()`` (a fresh batch's scalar loss each call) on
+    ``params``, the learning rate scaled by ``lr_factor(step)``, gradients clipped to
+    ``max_grad_norm`` (``None``: not clipped). Every parameter of ``model`` not in ``params`` is
+    frozen meanwhile (``requires_grad`` restored after, also on an error); ``params`` may hold
+    parameters outside ``model`` (a projection head). The model is in train mode during, eval
+    mode after.
+
+    Returns:
+        the loss of every step (nats).
+    """
+    from tqdm.auto import tqdm
+
+    saved = {id(p): p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    model.train()
+    losses: list[float] = []
+    try:
+        bar = tqdm(range(steps), desc=desc, disable=not progress)
+        for _ in bar:
+            loss = step_loss()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(saved[id(p)])
+        model.eval()
+    return losses
 
 
 def train(model: Any, processor: Any, recipe: JudgeVisionRecipe, *, progress: bool = True) -> list[float]:
@@ -194,38 +241,17 @@ def train(model: Any, processor: Any, recipe: JudgeVisionRecipe, *, progress: bo
     Returns:
         the loss of every step (nats; ``log(31)`` ~ 3.43 at chance).
     """
-    from tqdm.auto import tqdm
-
     torch.manual_seed(recipe.seed)
     rng = np.random.default_rng(recipe.seed)
     tower = vision_tower(model)
-    saved = {id(p): p.requires_grad for p in model.parameters()}
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in tower.parameters():
-        p.requires_grad_(True)
     hidden = int(model.config.vision_config.out_hidden_size)
     head = projection_head(hidden, recipe.projection_dim) if recipe.projection_head else torch.nn.Identity()
-    params = list(tower.parameters()) + list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(recipe))
-    model.train()
-    losses = []
-    try:
-        bar = tqdm(range(recipe.steps), desc="judge vision pretrain", disable=not progress)
-        for _ in bar:
-            loss = nt_xent(head(pooled_features(model, processor, _pair_batch(rng, recipe))), recipe.temperature)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    finally:
-        for p in model.parameters():
-            p.requires_grad_(saved[id(p)])
-        model.eval()
-    return losses
+    return optimise(model, list(tower.parameters()) + list(head.parameters()),
+                    lambda: nt_xent(head(pooled_features(model, processor, _pair_batch(rng, recipe))),
+                                    recipe.temperature),
+                    steps=recipe.steps, learning_rate=recipe.learning_rate, weight_decay=recipe.weight_decay,
+                    lr_factor=warmup_cosine(recipe.steps, recipe.warmup_steps), desc="judge vision pretrain",
+                    progress=progress)
 
 
 def evaluation_views(seed: int, per_subject: int, grid: int = 256) -> tuple[list[np.ndarray], torch.Tensor]:

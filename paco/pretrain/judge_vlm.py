@@ -226,16 +226,6 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor, answer_only: bool) -> torc
     return first_token_weighted_loss(logits, labels, float(alpha), "paper")
 
 
-def _lr_lambda(recipe: JudgeVlmRecipe):
-    def factor(step: int) -> float:
-        if step < recipe.warmup_steps:
-            return (step + 1) / recipe.warmup_steps
-        span = max(1, recipe.steps - recipe.warmup_steps)
-        cos = 0.5 * (1.0 + math.cos(math.pi * (step - recipe.warmup_steps) / span))
-        return recipe.lr_floor + (1.0 - recipe.lr_floor) * cos
-    return factor
-
-
 def train(model: Any, processor: Any, recipe: JudgeVlmRecipe, *, progress: bool = True) -> list[float]:
     """``recipe.steps`` AdamW steps of the answer cross-entropy on :func:`pair_batch` pairs
     (in place; every weight, or all but the vision tower without ``recipe.train_vision``).
@@ -243,46 +233,25 @@ def train(model: Any, processor: Any, recipe: JudgeVlmRecipe, *, progress: bool 
     Returns:
         the loss of every step (nats).
     """
-    from tqdm.auto import tqdm
-
     from paco.judge.model import encode_sft
     from paco.judge.response import format_response
-    from paco.pretrain.judge_vision import vision_tower
+    from paco.pretrain.judge_vision import optimise, vision_tower, warmup_cosine
 
     torch.manual_seed(recipe.seed)
     rng = np.random.default_rng([recipe.seed, 1])
-    tower = vision_tower(model)
-    tower_ids = {id(p) for p in tower.parameters()}
+    tower_ids = {id(p) for p in vision_tower(model).parameters()}
     params = [p for p in model.parameters() if recipe.train_vision or id(p) not in tower_ids]
-    saved = {id(p): p.requires_grad for p in model.parameters()}
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(recipe))
-    model.train()
-    losses: list[float] = []
-    try:
-        bar = tqdm(range(recipe.steps), desc="judge pair pretrain", disable=not progress)
-        for _ in bar:
-            pairs = pair_batch(rng, recipe.batch, recipe)
-            batch = encode_sft(processor, [(a, b, q, format_response(y, None)) for a, b, q, y in pairs])
-            labels = batch.pop("labels")
-            logits = model(**batch).logits
-            loss = _loss(logits, labels, recipe.answer_only)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    finally:
-        for p in model.parameters():
-            p.requires_grad_(saved[id(p)])
-        model.eval()
-    return losses
+
+    def step_loss() -> torch.Tensor:
+        pairs = pair_batch(rng, recipe.batch, recipe)
+        batch = encode_sft(processor, [(a, b, q, format_response(y, None)) for a, b, q, y in pairs])
+        labels = batch.pop("labels")
+        return _loss(model(**batch).logits, labels, recipe.answer_only)
+
+    return optimise(model, params, step_loss, steps=recipe.steps, learning_rate=recipe.learning_rate,
+                    weight_decay=recipe.weight_decay,
+                    lr_factor=warmup_cosine(recipe.steps, recipe.warmup_steps, recipe.lr_floor),
+                    max_grad_norm=recipe.max_grad_norm, desc="judge pair pretrain", progress=progress)
 
 
 def evaluate(model: Any, processor: Any, pairs: list[tuple[Any, Any, str, bool]],
