@@ -16,15 +16,18 @@ Why each variable (measured on the embedded default, torch 2.13, numpy 2.4):
 
   - torch's ATen kernels (softmax, ...; ``ATEN_CPU_CAPABILITY``), oneDNN's (convolution, GELU;
     ``ONEDNN_MAX_CPU_ISA``) and MKL's GEMM (``MKL_CBWR``, MKL's conditional numerical
-    reproducibility branch): an AVX-512 AMD EPYC trained another judge than the AVX2 paths do;
+    reproducibility branch): an AVX-512 AMD EPYC trained another judge than the AVX2 paths do.
+    MKL honours the ``AVX2`` branch on Intel CPUs only: elsewhere it runs ``AUTO``
+    (``MKL_VERBOSE`` logs ``CNR:AUTO``; docs/numerics.md), so an AMD host's GEMM bytes still
+    differ from an Intel host's;
   - numpy's universal functions and sorts (``NPY_DISABLE_CPU_FEATURES``: the dispatch targets
     above AVX2, numpy's ``X86_V4``, ``AVX512_ICL``, ``AVX512_SPR``): on an AVX-512 Intel host
     the composites' bytes differed, and every stage after them with it;
   - OpenBLAS, which numpy and scipy each bundle (``OPENBLAS_CORETYPE``): its GEMM kernels and
     block sizes are chosen per CPU model (SkylakeX, Zen, Haswell, ...).
 
-  With these variables every x86-64 CPU that has AVX2 and FMA runs the AVX2 paths, so a CPU
-  run's bytes do not depend on the machine. They only touch CPU kernels (a GPU run is
+  With these variables every x86-64 CPU that has AVX2 and FMA runs the AVX2 paths (MKL's: every
+  Intel one, above), so a CPU run's bytes do not depend on the machine (among Intel hosts). They only touch CPU kernels (a GPU run is
   unaffected) and are defaults: a variable already set is kept (so a user can opt out, e.g.
   ``NPY_DISABLE_CPU_FEATURES=`` runs numpy's AVX-512 paths), and what a process ran with is in
   each stage's ``report.json`` (``run.threads``, ``run.numerics``).
