@@ -37,7 +37,7 @@ def vision_prefix(model: torch.nn.Module) -> str:
     """Dotted name of the judge's vision tower (with its patch merger) inside ``model``:
     ``model.visual`` (transformers 5 Qwen2.5-VL) or ``visual``."""
     for name, module in model.named_modules():
-        if name.endswith("visual") and name.rsplit(".", 1)[-1] == "visual":
+        if name.rsplit(".", 1)[-1] == "visual":
             return name
     raise ValueError(f"{type(model).__name__}: cannot find the vision tower")
 
@@ -56,12 +56,15 @@ def _check_targets(model: torch.nn.Module, prefix: str, names: list[str], what: 
 
 def lora_config(model: torch.nn.Module, lora: LoraParams) -> Any:
     """A ``peft.LoraConfig`` whose ``target_modules`` regex matches only the modules named in
-    ``lora.target_modules`` inside the language model (its decoder layers), never the vision
-    tower or the merger, whose MLPs reuse names such as ``gate_proj``; the output head
-    (``lm_head``, outside the decoder) is not adapted either, as in the paper's setup.
+    ``lora.target_modules`` inside the language model (its decoder layers), not the vision
+    tower or the merger, whose MLPs reuse names such as ``gate_proj``, unless
+    ``lora.vision_target_modules`` names layers there (dotted suffixes, e.g. ``attn.proj``,
+    ``mlp.0``; not in the paper); the output head (``lm_head``, outside the decoder) is not
+    adapted either, as in the paper's setup.
 
     Raises:
-        ValueError: a target name matches no ``nn.Linear`` inside the language model (a typo).
+        ValueError: a target name matches no ``nn.Linear`` inside the language model, or a
+            vision target none inside the vision tower (a typo).
     """
     from peft import LoraConfig
 
@@ -95,7 +98,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraParams) -> Any:
     bad = [n for n, p in peft_model.named_parameters()
            if p.requires_grad and (not any(f".{q}." in f".{n}" for q in prefixes) or "lora_" not in n)]
     if bad:
-        raise RuntimeError(f"parameters outside the language model's LoRA are trainable: {bad[:5]}")
+        raise RuntimeError(f"parameters other than the LoRA weights of {prefixes} are trainable: {bad[:5]}")
     return peft_model
 
 
