@@ -23,6 +23,12 @@ def test_recipe_refuses_bad_fields(bad):
         pjv.JudgeVlmRecipe(**bad)
 
 
+@pytest.mark.parametrize("field", ["crop_scale", "style_strength"])
+def test_a_bad_range_names_its_field(field):
+    with pytest.raises(pydantic.ValidationError, match=f"{field} must satisfy"):
+        pjv.JudgeVlmRecipe(**{field: (0.9, 0.5)})
+
+
 def test_no_pretraining_question_is_a_pipeline_question():
     pipeline = [judge_instruction(None), EDIT_SC.text, EDIT_PF.text]
     for q in pjv.QUESTIONS + pjv.STYLE_QUESTIONS:

@@ -174,9 +174,9 @@ class JudgeVlmRecipe(pydantic.BaseModel, extra="forbid"):
 
     @pydantic.field_validator("crop_scale", "style_strength")
     @classmethod
-    def _crop(cls, v: tuple[float, float]) -> tuple[float, float]:
+    def _range(cls, v: tuple[float, float], info: pydantic.ValidationInfo) -> tuple[float, float]:
         if not 0 < v[0] <= v[1] <= 1:
-            raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1, got {v}")
+            raise ValueError(f"{info.field_name} must satisfy 0 < low <= high <= 1, got {v}")
         return v
 
 
