@@ -25,6 +25,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import stages  # noqa: E402,F401  a stage process's set-up before numpy loads: fixed numerics env, hub offline
 
 import yaml  # noqa: E402
 
@@ -74,7 +75,10 @@ def main() -> None:
         top = 100_000 if args.build else judge["top_logprobs"]
         with LocalJudgeServer(args.judge, judge["served_model_name"], max_logprobs=top) as url:
             client = JudgeClient(url, judge["served_model_name"], concurrency=judge["concurrency"], top_logprobs=top)
-            ctx = RewardContext(judge=client, clip=ClipScorer(args.models / "clip"), instruction=judge["instruction"])
+            clip = ClipScorer(args.models / "clip")
+            ctx = RewardContext(judge=client, clip=clip, pickscore=ClipScorer(args.models / "pickscore"),
+                                instruction=judge["instruction"], split_method=params["subfigures"]["method"],
+                                tolerance=params["subfigures"]["tolerance"])
             for res in args.resolutions:
                 loras = []
                 for overlap in (False, True):

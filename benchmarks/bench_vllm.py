@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stages  # noqa: E402,F401  a stage process's set-up before numpy loads: fixed numerics env, hub offline
 
 import numpy as np  # noqa: E402
 

@@ -27,11 +27,11 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
-from PIL import Image
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import stages  # noqa: E402,F401  a stage process's set-up before numpy loads: fixed numerics env, hub offline
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from paco.pretrain.quality import edit_ssim, subject_match_share  # noqa: E402
 

@@ -157,6 +157,34 @@ def test_fix_numerics_env_pins_the_cpu_paths_only_where_it_is_safe(monkeypatch):
     assert env == numerics.FIXED_THREAD_ENV
 
 
+_SGEMM = """
+import sys
+if sys.argv[1] == "stage":
+    import stages  # noqa: F401  (what `python -m stages.<name>` imports first)
+import torch
+torch.nn.functional.linear(torch.ones(3, 8), torch.ones(5, 8))
+"""
+
+
+@pytest.mark.parametrize("entry", ["stage", "bare"])
+def test_a_stage_process_runs_mkls_cross_vendor_gemm_branch(entry):
+    """MKL honours a named ISA branch (``MKL_CBWR=AVX2``) on Intel CPUs only and runs ``AUTO``
+    elsewhere, so a stage's GEMMs must run ``COMPATIBLE``, the branch MKL runs alike on every
+    x86-64 CPU. MKL logs the branch of each call under ``MKL_VERBOSE``; the bare interpreter
+    shows what runs without the stages package (``CNR:OFF``: the CPU's own fastest code)."""
+    import torch
+
+    from paco.core.numerics import cpu_has_avx2
+
+    if not torch.backends.mkl.is_available() or not cpu_has_avx2():
+        pytest.skip("no MKL in this torch build, or a CPU whose code paths are not pinned")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    out = subprocess.run([sys.executable, "-c", _SGEMM, entry], env={**env, "MKL_VERBOSE": "1"}, capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    branches = {w for line in out.splitlines() if "GEMM" in line for w in line.split() if w.startswith("CNR:")}
+    assert branches == ({"CNR:COMPATIBLE"} if entry == "stage" else {"CNR:OFF"}), out
+
+
 def test_numpy_dispatch_targets_are_named_as_each_numpy_names_them():
     from paco.core.numerics import numpy_disabled_targets
 

@@ -14,23 +14,29 @@ Why each variable (measured on the embedded default, torch 2.13, numpy 2.4):
 * Code paths (:data:`FIXED_CPU_ISA_ENV`): every vectorised library picks a code path from the
   CPU's instruction set at run time, and the paths round differently:
 
-  - torch's ATen kernels (softmax, ...; ``ATEN_CPU_CAPABILITY``), oneDNN's (convolution, GELU;
-    ``ONEDNN_MAX_CPU_ISA``) and MKL's GEMM (``MKL_CBWR``, MKL's conditional numerical
-    reproducibility branch): an AVX-512 AMD EPYC trained another judge than the AVX2 paths do.
-    MKL honours the ``AVX2`` branch on Intel CPUs only: elsewhere it runs ``AUTO``
-    (``MKL_VERBOSE`` logs ``CNR:AUTO``; docs/numerics.md), so an AMD host's GEMM bytes still
-    differ from an Intel host's;
+  - torch's ATen kernels (softmax, ...; ``ATEN_CPU_CAPABILITY``) and oneDNN's (convolution,
+    GELU; ``ONEDNN_MAX_CPU_ISA``): an AVX-512 AMD EPYC trained another judge than the AVX2 paths
+    do;
+  - MKL's GEMM (every float32 ``linear`` / ``matmul`` of torch's CPU build), through MKL's
+    conditional numerical reproducibility branch (``MKL_CBWR``): ``COMPATIBLE``, the one branch
+    MKL runs alike on Intel and non-Intel CPUs (SSE2 code without the approximate ``rcpps`` /
+    ``rsqrtps``). A named ISA branch (``AVX2``, ...) is honoured on Intel CPUs only: elsewhere
+    MKL silently runs ``AUTO`` (an AMD EPYC's ``MKL_VERBOSE`` logs ``CNR:AUTO`` under
+    ``MKL_CBWR=AVX2``), and an AMD host trained another judge than an Intel one
+    (docs/numerics.md). It costs speed: a float32 GEMM of the tiny models' sizes takes about 3x
+    as long as the AVX2 branch, a GRPO epoch about 1.2x (``benchmarks/bench_grpo_resolution.py``);
   - numpy's universal functions and sorts (``NPY_DISABLE_CPU_FEATURES``: the dispatch targets
     above AVX2, numpy's ``X86_V4``, ``AVX512_ICL``, ``AVX512_SPR``): on an AVX-512 Intel host
     the composites' bytes differed, and every stage after them with it;
   - OpenBLAS, which numpy and scipy each bundle (``OPENBLAS_CORETYPE``): its GEMM kernels and
     block sizes are chosen per CPU model (SkylakeX, Zen, Haswell, ...).
 
-  With these variables every x86-64 CPU that has AVX2 and FMA runs the AVX2 paths (MKL's: every
-  Intel one, above), so a CPU run's bytes do not depend on the machine (among Intel hosts). They only touch CPU kernels (a GPU run is
-  unaffected) and are defaults: a variable already set is kept (so a user can opt out, e.g.
-  ``NPY_DISABLE_CPU_FEATURES=`` runs numpy's AVX-512 paths), and what a process ran with is in
-  each stage's ``report.json`` (``run.threads``, ``run.numerics``).
+  With these variables every x86-64 CPU that has AVX2 and FMA, Intel or AMD, runs the same paths
+  (AVX2, MKL's ``COMPATIBLE``), so a CPU run's bytes do not depend on the machine. They only
+  touch CPU kernels (a GPU run is unaffected) and are defaults: a variable already set is kept
+  (so a user can opt out, e.g. ``NPY_DISABLE_CPU_FEATURES=`` runs numpy's AVX-512 paths,
+  ``MKL_CBWR=AUTO`` MKL's fastest), and what a process ran with is in each stage's
+  ``report.json`` (``run.threads``, ``run.numerics``).
 
 The bytes still depend on the torch threads per process (``PACO_NUM_THREADS`` or the cores,
 :func:`paco.core.stage.cpu_threads_per_process`), which every trainer's run identity records,
@@ -55,12 +61,13 @@ NUMPY_AVX512_TARGETS = {
     "groups": "AVX512F AVX512CD AVX512_KNL AVX512_KNM AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR",
 }
 
-#: The CPU code-path variables and the AVX2 value each is given (numpy's from
-#: :func:`numpy_disabled_targets`, filled in by :func:`cpu_isa_env`).
+#: The CPU code-path variables and the value each is given: the AVX2 paths, MKL's cross-vendor
+#: ``COMPATIBLE`` branch (numpy's value from :func:`numpy_disabled_targets`, filled in by
+#: :func:`cpu_isa_env`).
 FIXED_CPU_ISA_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "MKL_CBWR": "AVX2",
+    "MKL_CBWR": "COMPATIBLE",
     "NPY_DISABLE_CPU_FEATURES": None,
     "OPENBLAS_CORETYPE": "Haswell",
 }

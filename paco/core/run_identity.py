@@ -165,7 +165,7 @@ def launch_parts(num_processes: int, device_type: str) -> dict[str, Any]:
     ``device`` (``"cpu"``, ``"cuda"``, ...) and, on CPU, ``cpu_numerics``: torch's intra-op
     threads in this process (call it after the trainer set them) and the CPU code-path variables
     of :data:`paco.core.numerics.FIXED_CPU_ISA_ENV` (``unset`` where unset), e.g.
-    ``"threads=2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2
+    ``"threads=2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=COMPATIBLE
     NPY_DISABLE_CPU_FEATURES=X86_V4 AVX512_ICL AVX512_SPR OPENBLAS_CORETYPE=Haswell"``.
 
     CPU reductions are split per thread and each code path rounds its own way
