@@ -103,7 +103,8 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         "instances_per_prompt": {"min": int(per_prompt.min()), "max": int(per_prompt.max())},
         "pairs": len(pairs),
         "per_split": {
-            split: {"prompts": int(g["prompt_id"].nunique()), "instances": len(g), "pairs": 2 * len(g)}
+            split: {"prompts": int(g["prompt_id"].nunique()), "instances": len(g),
+                    "pairs": int((pairs["split"] == split).sum())}
             for split, g in ranked.groupby("split")
         },
         "yes_fraction": float(pairs["label"].mean()),
