@@ -75,8 +75,9 @@ def main() -> None:
         top = 100_000 if args.build else judge["top_logprobs"]
         with LocalJudgeServer(args.judge, judge["served_model_name"], max_logprobs=top) as url:
             client = JudgeClient(url, judge["served_model_name"], concurrency=judge["concurrency"], top_logprobs=top)
-            clip = ClipScorer(args.models / "clip")
-            ctx = RewardContext(judge=client, clip=clip, pickscore=ClipScorer(args.models / "pickscore"),
+            # as the stage's reward_context: the pickscore role's own model (paper: PickScore_v1)
+            ctx = RewardContext(judge=client, clip=ClipScorer(args.models / "clip"),
+                                pickscore=ClipScorer(args.models / "pickscore"),
                                 instruction=judge["instruction"], split_method=params["subfigures"]["method"],
                                 tolerance=params["subfigures"]["tolerance"])
             for res in args.resolutions:
