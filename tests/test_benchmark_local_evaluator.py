@@ -50,14 +50,28 @@ def images(n: int, seed: int = 0) -> list[Image.Image]:
 
 def by_hand(reference, ims, text):
     """``(inputs, last-position float32 logits)`` of one user turn [images..., text] through the
-    processor's chat template, tokenised by ``apply_chat_template`` itself."""
+    processor's chat template, tokenised by ``apply_chat_template`` itself, computed as the judge
+    server computes them: the vision tower on each image alone (transformers'
+    ``get_image_features``), the features passed as ``mm_encoder_outputs``, the head on the last
+    position only (``logits_to_keep=1``). The plain forward pass agrees to 1e-5 (checked here)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
     model, processor = reference
     messages = [{"role": "user", "content": [*({"type": "image", "image": im} for im in ims),
                                              {"type": "text", "text": text}]}]
     inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
                                            return_tensors="pt")
     with torch.no_grad():
-        return inputs, model(**inputs).logits[0, -1].float()
+        rest = {k: v for k, v in inputs.items() if k != "pixel_values"}
+        rows = inputs["image_grid_thw"].prod(dim=-1).tolist()
+        pixels = torch.split(inputs["pixel_values"], rows)
+        feats = tuple(model.get_image_features(p, g[None], return_dict=True).pooler_output[0]
+                      for p, g in zip(pixels, inputs["image_grid_thw"], strict=True))
+        logits = model(**rest, mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=feats)},
+                       logits_to_keep=1).logits[0, -1].float()
+        plain = model(**inputs).logits[0, -1].float()
+    torch.testing.assert_close(logits, plain, rtol=0, atol=1e-5)
+    return inputs, logits
 
 
 def count_forwards(ev: LocalEvaluator) -> list[int]:

@@ -67,25 +67,63 @@ def test_logprobs_do_not_depend_on_the_batch(judge, batching):
         assert sizes == [1] * len(triples)  # auto is single: a pass per request, on any device
 
 
-def test_small_panels_get_the_same_vision_features_alone_and_batched(judge):
+def test_an_images_vision_features_depend_on_its_own_pixels_only(judge):
     """GRPO's 128 px grids give 64 px panels: 8 merged vision tokens per image, where CPU GEMM
-    kernels for few rows round differently from the batch's (the vision tower batched changed the
-    logits by ~3e-6). In a batched forward pass (``same_shape``, ``Judge.score``) the tower runs
-    per row, so each row's image features are bit-identical to its own, alone: the same calls
-    with the same shapes."""
+    kernels for few rows round differently from many (the vision tower batched changed the
+    logits by ~3e-6). The tower runs per image, so an image's features are bit-identical alone,
+    beside another image of its pair, and in a batch of 32 requests; computed with and without
+    the tower cache alike."""
     ims = images(34, seed=5, size=(64, 64))
     encodings = [judge.encode([(ims[i], ims[i + 1], judge_instruction(None))]) for i in range(33)]
+    uncached = Judge(judge.model, judge.processor, tower_cache_bytes=0)
 
-    def features(enc):
-        return judge.image_features(enc["input_ids"], enc["pixel_values"], enc["image_grid_thw"]).pooler_output
+    def features(j, enc):
+        return j.image_features(enc["pixel_values"], enc["image_grid_thw"]).pooler_output
 
-    alone = [features(e) for e in encodings[:8]]
-    for n in (2, 3, 8, 32):
+    alone = [features(uncached, judge.encode([(im, im, judge_instruction(None))]))[0] for im in ims[:9]]
+    for n in (1, 2, 3, 8, 32):
         batch = {k: torch.cat([e[k] for e in encodings[:n]]) for k in encodings[0]}
-        together = features(batch)
-        assert len(together) == 2 * n
-        for i in range(min(n, 8)):
-            assert all(torch.equal(a, b) for a, b in zip(together[2 * i:2 * i + 2], alone[i], strict=True)), (n, i)
+        for j in (uncached, judge):
+            together = features(j, batch)
+            assert len(together) == 2 * n
+            for i in range(min(n, 8)):
+                assert torch.equal(together[2 * i], alone[i]) and torch.equal(together[2 * i + 1], alone[i + 1]), (n, i)
+
+
+def test_the_tower_cache_computes_a_recurring_image_once_and_stays_in_its_bound(judge):
+    """A 2x2 grid's 6 panel pairs compute the tower for its 4 panels only; the logits equal an
+    uncached judge's bit for bit; the cache's bytes stay within ``tower_cache_bytes`` (least
+    recently used images dropped)."""
+    panels = images(4, seed=21, size=(64, 64))
+    text = judge_instruction(None)
+    pairs = [(panels[a], panels[b], text) for a in range(4) for b in range(a + 1, 4)]
+    cached = Judge(judge.model, judge.processor)
+    uncached = Judge(judge.model, judge.processor, tower_cache_bytes=0)
+    calls: list[int] = []
+    inner = judge.model.get_image_features
+
+    def counting(pixel_values, grid_thw, **kw):
+        calls.append(int(grid_thw.shape[0]))
+        return inner(pixel_values, grid_thw, **kw)
+
+    judge.model.get_image_features = counting
+    try:
+        got = [cached.logits(cached.encode([p])) for p in pairs]
+        assert calls == [1] * 4 and (cached.tower_cache.hits, cached.tower_cache.misses) == (8, 4)
+        calls.clear()
+        want = [uncached.logits(uncached.encode([p])) for p in pairs]
+        assert calls == [1] * 12
+    finally:
+        del judge.model.get_image_features  # the class's method again
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    one = cached.tower_cache._bytes // 4  # every panel's features have the same size
+    small = Judge(judge.model, judge.processor, tower_cache_bytes=2 * one)
+    for p in pairs:
+        small.logits(small.encode([p]))
+        assert small.tower_cache._bytes <= 2 * one
+    assert len(small.tower_cache._entries) == 2
+    with pytest.raises(ValueError, match="max_bytes"):
+        Judge(judge.model, judge.processor, tower_cache_bytes=-1)
 
 
 def test_requests_with_different_image_grids_are_scored_alone(judge):

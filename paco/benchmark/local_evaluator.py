@@ -210,14 +210,13 @@ class LocalEvaluator(Evaluator):
     @torch.no_grad()
     def first_token_logprobs(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """``(vocab,)`` float32 log-probs of the first generated token: ``log_softmax`` of the
-        last position's logits of one forward pass (``inputs`` from :meth:`encode`).
+        last position's logits of one forward pass (``inputs`` from :meth:`encode`), computed as
+        the project's judge server computes them (:func:`paco.judge.model.last_position_logits`:
+        the head on the last position only, a Qwen2-VL model's tower once per image), so a
+        two-image question gets the server's numbers bit for bit on one device."""
+        from paco.judge.model import last_position_logits
 
-        The logits of every position are computed and the last one taken, as
-        :meth:`paco.judge.model.Judge.logits` does, so a two-image question gets the project's
-        judge server's numbers bit for bit on one device; ``logits_to_keep=1`` (the LM head on
-        the last row only) would save ``prompt tokens x vocab`` logits but rounds differently
-        (measured 2.4e-6 on the tiny judge, CPU float32)."""
-        logits = self._model(**inputs).logits[0, -1]
+        logits = last_position_logits(self._model, inputs)[0]
         return torch.log_softmax(logits.float(), dim=-1)
 
     @torch.no_grad()

@@ -26,6 +26,9 @@ retries, silently. We fail instead.)
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,6 +249,130 @@ def encode_sft(
     return out
 
 
+class TowerCache:
+    """A byte-bounded LRU of the vision tower's output per image, keyed by the image's preprocessed
+    pixel rows (a BLAKE2b digest of their bytes), image grid and dtype: what vLLM's encoder cache
+    does for multimodal inputs. A hit returns the tensor the tower computed for the same rows, so
+    scores are bit-identical with or without it. In GRPO a 2x2 grid's 4 panels appear in 6 pairs
+    and an edit's input in every request of its group, so most images recur.
+
+    The entries are the model's outputs for its weights when computed: a model whose weights
+    change (training) needs a new cache or :meth:`clear`. Thread-safe. ``max_bytes`` 0 disables
+    it (every image computed, nothing hashed).
+
+    Raises:
+        ValueError: ``max_bytes`` < 0.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self._entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(rows: torch.Tensor, grid: torch.Tensor) -> tuple:
+        """``(digest, grid, dtype, shape)`` of one image's ``pixel_values`` rows and ``grid_thw`` row."""
+        data = rows.detach().contiguous().cpu()
+        digest = hashlib.blake2b(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"",
+                                 digest_size=16).hexdigest()
+        return digest, tuple(int(v) for v in grid.tolist()), str(rows.dtype), tuple(rows.shape)
+
+    def get(self, key: tuple) -> torch.Tensor | None:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return hit
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def put(self, key: tuple, value: torch.Tensor) -> None:
+        size = value.numel() * value.element_size()
+        if self.max_bytes == 0 or size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = value
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.numel() * old.element_size()
+
+
+@torch.no_grad()
+def image_features(model: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                   cache: TowerCache | None = None) -> Any:
+    """The vision tower's output for each image on its own: image ``i`` is the ``t*h*w`` rows of
+    ``pixel_values`` (``(patches, channels x temporal x patch^2)``, the Qwen2-VL processor's
+    layout) after the previous images', with ``grid_thw[i]`` (``(images, 3)`` int). Returns a
+    ``BaseModelOutputWithPooling`` whose ``pooler_output`` is a tuple of one
+    ``(merged tokens, hidden)`` tensor per image, as a Qwen2.5-VL forward pass's
+    ``mm_encoder_outputs["image"]`` takes it. Images whose rows ``cache`` holds are not computed
+    again.
+
+    Per image, because CPU GEMM kernels round few rows differently from many (the tower over a
+    pair's two 64 px panels, 8 merged tokens each, gave other features than over one: ~1e-7, and
+    ~3e-6 in the logits; torch 2.13 / transformers 5.24): an image's features then depend on its
+    own pixels only, not on the other image of its pair nor on a batch's other rows.
+
+    Raises:
+        ValueError: ``pixel_values`` has another number of rows than ``grid_thw`` names.
+    """
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    cache = cache if cache is not None else TowerCache(0)
+    device = next(model.parameters()).device
+    patches = grid_thw.prod(dim=-1).tolist()
+    if sum(patches) != pixel_values.shape[0]:
+        raise ValueError(f"{pixel_values.shape[0]} pixel rows, the image grids name {sum(patches)}")
+    embeds, start = [], 0
+    for i, n in enumerate(patches):
+        rows = pixel_values[start:start + n]
+        key = TowerCache.key(rows, grid_thw[i]) if cache.max_bytes else None
+        out = cache.get(key) if key is not None else None
+        if out is None:
+            (out,) = model.get_image_features(rows.to(device), grid_thw[i:i + 1].to(device),
+                                              return_dict=True).pooler_output
+            if key is not None:
+                cache.put(key, out)
+        embeds.append(out)
+        start += n
+    return BaseModelOutputWithPooling(pooler_output=tuple(embeds))
+
+
+@torch.no_grad()
+def last_position_logits(model: Any, inputs: dict[str, torch.Tensor], cache: TowerCache | None = None) -> torch.Tensor:
+    """``(batch, vocab)`` float32 logits at the last position of a processor's ``inputs`` (left
+    padded), one language-model forward pass with the head on that position only
+    (``logits_to_keep=1``).
+
+    Inputs with ``image_grid_thw`` (the Qwen2-VL family) get their image features from
+    :func:`image_features`, one tower call per image (``cache``: a :class:`TowerCache`, or none),
+    so a row's logits do not depend on the other rows of a batch nor an image's features on the
+    other image of its pair; the language model over rows of one length is row-invariant (checked
+    up to 32 rows). Other models run their own forward pass on ``inputs``.
+    """
+    device = next(model.parameters()).device
+    pixel_values = inputs.get("pixel_values") if "image_grid_thw" in inputs else None
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
+             if pixel_values is None or k != "pixel_values"}
+    if pixel_values is not None:
+        moved["mm_encoder_outputs"] = {"image": image_features(model, pixel_values, inputs["image_grid_thw"], cache)}
+    return model(**moved, logits_to_keep=1).logits[:, -1, :].float()
+
+
 class Judge:
     """Scores (image A, image B, instruction) triples with P(Yes)/(P(Yes)+P(No)).
 
@@ -258,14 +385,17 @@ class Judge:
         batch_size: triples per forward pass in :meth:`score`.
         max_model_len: context bound in positions (vLLM's ``--max-model-len``); ``None``: the
             model's :func:`context_limit`.
+        tower_cache_bytes: bound of the :class:`TowerCache` of per-image vision features
+            (0: none).
 
     Raises:
         JudgeTokenizerError: see :func:`check_answer_tokens`.
-        ValueError: ``max_model_len`` < 2 or larger than the model's context.
+        ValueError: ``max_model_len`` < 2 or larger than the model's context; a negative
+            ``tower_cache_bytes``.
     """
 
     def __init__(self, model: Any, processor: Any, *, answer_variants: bool = False, batch_size: int = 8,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, tower_cache_bytes: int = 64 << 20):
         self.model = model
         self.processor = processor
         self.batch_size = batch_size
@@ -275,6 +405,7 @@ class Judge:
             raise ValueError(f"max_model_len {max_model_len} must be in [2, {limit}] (the model's "
                              "max_position_embeddings)")
         self.max_model_len = int(max_model_len) if max_model_len is not None else limit
+        self.tower_cache = TowerCache(tower_cache_bytes)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", **kw: Any) -> Judge:
@@ -310,48 +441,13 @@ class Judge:
     def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """``(batch, vocab)`` float32 logits at the last position of encoded ``inputs``, one
         language-model forward pass (``inputs`` from :meth:`encode`, or such encodings
-        concatenated along the batch).
+        concatenated along the batch): :func:`last_position_logits` with this judge's
+        :class:`TowerCache`."""
+        return last_position_logits(self.model, inputs, self.tower_cache)
 
-        The vision tower runs once per row (:meth:`image_features`), so a row's logits do not
-        depend on the other rows' images: batched, the tower's linear layers see more rows, and
-        CPU GEMM kernels for few rows (a 64 px panel gives 8 merged tokens) round differently
-        (measured: ~1e-7 in the image features, ~3e-6 in the logits, torch 2.13 / transformers
-        5.24). The language model over rows of one length is row-invariant (checked up to 32 rows).
-        """
-        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        if inputs.get("pixel_values") is not None and inputs["input_ids"].shape[0] > 1:
-            pixel_values = inputs.pop("pixel_values")
-            inputs["mm_encoder_outputs"] = {"image": self.image_features(inputs["input_ids"], pixel_values,
-                                                                         inputs["image_grid_thw"])}
-        return self.model(**inputs).logits[:, -1, :].float()
-
-    def image_features(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
-        """The vision tower's output for ``input_ids``' images, computed row by row: each row's
-        images (counted by their ``<|vision_start|>`` tokens; ``grid_thw`` rows in order, each
-        image ``t*h*w`` rows of ``pixel_values``) in their own call, exactly as when the row is
-        scored alone. Returns the model's ``get_image_features`` output with every image's
-        embeddings in ``pooler_output`` (a tuple, one ``(tokens, hidden)`` tensor per image), as
-        the forward pass's ``mm_encoder_outputs["image"]`` takes it.
-
-        Raises:
-            ValueError: the rows' image count differs from ``grid_thw``'s.
-        """
-        per_row = (input_ids == self.model.config.vision_start_token_id).sum(dim=1).tolist()
-        if sum(per_row) != grid_thw.shape[0]:
-            raise ValueError(f"{sum(per_row)} images in the prompts, {grid_thw.shape[0]} image grids")
-        patches = grid_thw.prod(dim=-1).tolist()
-        first, embeds, image, patch = None, [], 0, 0
-        for n in per_row:
-            if n == 0:
-                continue
-            rows = sum(patches[image:image + n])
-            out = self.model.get_image_features(pixel_values[patch:patch + rows], grid_thw[image:image + n],
-                                                return_dict=True)
-            first = first if first is not None else out
-            embeds += list(out.pooler_output)
-            image, patch = image + n, patch + rows
-        first.pooler_output = tuple(embeds)
-        return first
+    def image_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        """:func:`image_features` of this judge's model, with its :class:`TowerCache`."""
+        return image_features(self.model, pixel_values, grid_thw, self.tower_cache)
 
     def first_token_logits(self, triples: Sequence[tuple[Image.Image, Image.Image, str]]) -> torch.Tensor:
         """``(batch, vocab)`` float32 logits at the first response position, one forward pass.

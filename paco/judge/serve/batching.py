@@ -17,7 +17,7 @@ them depends on the mode:
 * ``same_shape``: requests whose encodings have identical shapes (token count, image grids,
   pixel rows) are concatenated along the batch and scored in one forward pass, each other
   shape in its own; a request whose two images have different grids is always scored alone.
-  Nothing is padded and the vision tower runs per request (:meth:`paco.judge.model.Judge.logits`),
+  Nothing is padded and the vision tower runs per image (:meth:`paco.judge.model.Judge.logits`),
   but the language model's GEMMs see ``n`` times the rows, and whether a row then rounds as it
   does alone is the CPU's GEMM kernels' choice, not this code's: bit-identical on an AVX2 and an
   AVX-512 AMD host, ~1.2e-7 apart on an AVX-512/AMX Intel host, and on an AVX-512 Intel Xeon
@@ -77,7 +77,7 @@ class _Item:
 def _shape_key(inputs: Any) -> tuple | None:
     """What must be equal for two encodings to share an unpadded forward pass: every tensor's
     shape, and the image grids (which set the vision tower's attention windows). ``None`` when
-    the request's images have different grids: the Qwen2.5-VL vision tower then computes a
+    the request's images have different grids: when the tower ran per request, it computed a
     request's features differently inside a batch than alone (measured: ~1e-7 on CPU, for
     every such batch), so such a request gets a forward pass of its own."""
     if "image_grid_thw" in inputs and len({tuple(g) for g in inputs["image_grid_thw"].tolist()}) > 1:
