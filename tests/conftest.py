@@ -64,9 +64,20 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{port}/v1"
 
 
+#: test files that run longest, started first (in this order): with ``-n 2`` (the README's test
+#: command; ``--dist loadfile --no-loadscope-reorder`` in pyproject.toml) one worker takes the
+#: fresh-clone ``dvc repro`` of test_pipeline.py while the other runs the SLURM tests and then
+#: every other file
+FIRST = ("test_pipeline.py", "test_slurm.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """``gpu``-marked tests need CUDA (and, for vLLM, the ``[gpu]`` extra): skipped with the
-    reason where there is none, so the CPU suite (CI) stays green; on a GPU machine they run."""
+    """Files of :data:`FIRST` first, each file's tests in their own order (module fixtures and
+    the pipeline tests' order depend on it). ``gpu``-marked tests need CUDA (and, for vLLM, the
+    ``[gpu]`` extra): skipped with the reason where there is none, so the CPU suite (CI) stays
+    green; on a GPU machine they run."""
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
