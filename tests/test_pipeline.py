@@ -1,15 +1,10 @@
-"""End-to-end: the embedded default's data stages under DVC and Snakemake in fresh clones.
-
-These run real stage commands (tiny models, real photos) and take a minute or two each.
-"""
+"""End-to-end: the embedded default's whole ``dvc repro`` in a fresh clone (about 20 min on 2
+cores), what it leaves and what a change of it reruns; Snakemake's stages beside it. The tests
+that need a clone but not this repro are in tests/test_pipeline_clones.py."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +15,8 @@ import yaml
 
 from paco.grpo.plan import epoch_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
+from pipeline_helpers import artifacts, clone, md5, ran_stages, report, set_param, sh, subprocess_env
+
 pytestmark = pytest.mark.slow
 
 TABLES = [
@@ -30,49 +26,6 @@ TABLES = [
     "data/pairs/rank_instances.parquet",
     "data/pairs/pairs.parquet",
 ]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    # stage commands say `python`: make it this interpreter
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    return env
-
-
-def sh(args: list[str], cwd: Path, timeout: int = 1800) -> str:
-    """Run a command; on a timeout kill its whole process group (stage processes included, so
-    no orphan keeps the cores busy for the tests after it)."""
-    proc = subprocess.Popen(args, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    out = stdout + stderr
-    assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{out[-6000:]}"
-    return out
-
-
-def clone(tmp: Path) -> Path:
-    """A fresh clone of the committed tree (what a user gets; uncommitted edits are not in it)."""
-    repo = tmp / "repo"
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
-    return repo
-
-
-def ran_stages(output: str) -> list[str]:
-    return re.findall(r"Running stage '([^']+)'", output)
-
-
-def md5(path: Path) -> str:
-    return hashlib.md5(path.read_bytes()).hexdigest()
-
-
-def report(repo: Path, stage: str) -> dict:
-    """A stage's ``report.json`` (the details beside its headline ``metrics.json``)."""
-    return json.loads((repo / f"data/{stage}/report.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -256,9 +209,6 @@ def dvc_repro_noop(dvc_repo):
 #: an evaluation-only change of GRPO: ``dvc repro`` reruns grpo@t2is, which re-evaluates the kept
 #: weights without an optimizer step (the LoRA bytes are unchanged, so final_samples@t2is is not rerun)
 EVAL_CHANGE = ("grpo", "t2is", "eval", "num_steps", 6)
-#: what is compared bit for bit: every output under data/ but the reports (timings), the
-#: persisted checkpoints / progress, and DVC's own files
-SKIP = re.compile(r"(^|/)(report\.json|checkpoints/.*|progress/.*|\.gitignore)$")
 #: the outputs of grpo@t2is that an evaluation change rewrites (and a return to the committed
 #: params writes back)
 GRPO_T2IS_EVALUATION = ["data/grpo/t2is/metrics.json", "data/grpo/t2is/plots/eval.csv"]
@@ -275,16 +225,11 @@ def _apply_eval_change(repo: Path) -> None:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def _artifacts(repo: Path) -> dict[str, str]:
-    files = (p for p in (repo / "data").rglob("*") if p.is_file() and "raw" not in p.relative_to(repo).parts[:2])
-    return {str(p.relative_to(repo)): md5(p) for p in files if not SKIP.search(str(p.relative_to(repo)))}
-
-
 @pytest.fixture(scope="module")
-def fresh_artifacts(dvc_repo, dvc_repro_noop) -> dict[str, str]:
+def freshartifacts(dvc_repo, dvc_repro_noop) -> dict[str, str]:
     """The md5 of every artifact the fresh clone's ``dvc repro`` wrote (before any test edits a param)."""
     repo, _ = dvc_repo
-    return _artifacts(repo)
+    return artifacts(repo)
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +241,7 @@ def changed_repro(dvc_repo, fresh_artifacts) -> dict:
     committed = (repo / "params.yaml").read_text()
     _apply_eval_change(repo)
     ran = ran_stages(sh([sys.executable, "-m", "dvc", "repro"], repo))
-    changed = {"ran": ran, "report": report(repo, "grpo/t2is"), "artifacts": _artifacts(repo)}
+    changed = {"ran": ran, "report": report(repo, "grpo/t2is"), "artifacts": artifacts(repo)}
     (repo / "params.yaml").write_text(committed)
     ran = ran_stages(sh([sys.executable, "-m", "dvc", "repro", "--no-run-cache"], repo))
     return {"changed": changed, "back": {"ran": ran, "report": report(repo, "grpo/t2is")}}
@@ -324,16 +269,10 @@ def test_cached_after_a_change_equals_a_fresh_clone_bit_for_bit(dvc_repo, fresh_
         assert changed["artifacts"][path] != fresh_artifacts[path], path
     lora = "data/grpo/t2is/lora/pytorch_lora_weights.safetensors"
     assert changed["artifacts"][lora] == fresh_artifacts[lora]
-    now = _artifacts(repo)
+    now = artifacts(repo)
     assert sorted(now) == sorted(fresh_artifacts)
     differ = sorted(k for k in now if now[k] != fresh_artifacts[k])
     assert not differ, differ
-
-
-def _set(repo: Path, section: str, key: str, value) -> None:
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params[section][key] = value
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def test_a_param_change_puts_only_its_stages_and_descendants_out_of_date(dvc_repo, dvc_repro_noop):
@@ -341,7 +280,7 @@ def test_a_param_change_puts_only_its_stages_and_descendants_out_of_date(dvc_rep
     original = (repo / "params.yaml").read_text()
     # a data-stage param: only the stages that read it are out of date (their descendants follow
     # once they rerun); grpo and sample cut their grids for the panel rewards the same way
-    _set(repo, "subfigures", "method", "equal")
+    set_param(repo, "subfigures", "method", "equal")
     status = sh([sys.executable, "-m", "dvc", "status", "--json"], repo)
     # (params_check reruns on any edit of params.yaml: it validates the whole file)
     # every subtask cuts its samples into panels (an edit is one panel, still trimmed by `refine`)
@@ -353,38 +292,16 @@ def test_a_param_change_puts_only_its_stages_and_descendants_out_of_date(dvc_rep
     # from the committed default, or nothing is out of date); that `dvc repro` then reruns only
     # the out-of-date stages is the bit-for-bit test's (grpo@t2is after an evaluation param)
     committed = yaml.safe_load(original)["reward_eval"]["instruction"]
-    _set(repo, "reward_eval", "instruction", "theme" if committed == "rank" else "rank")
+    set_param(repo, "reward_eval", "instruction", "theme" if committed == "rank" else "rank")
     status = sh([sys.executable, "-m", "dvc", "status", "--json"], repo)
     assert set(json.loads(status[status.index("{"):])) == {"params_check", "reward_eval"}
     (repo / "params.yaml").write_text(original)
     # a misspelled top-level section, which no stage declares: params_check fails the repro
     (repo / "params.yaml").write_text(original + "\nreward_trian: {epochs: 3}\n")
-    proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode != 0 and "reward_trian: Extra inputs are not permitted" in proc.stdout + proc.stderr
     (repo / "params.yaml").write_text(original)
-
-
-def test_the_run_cache_restores_the_report_of_the_outputs_it_restores(tmp_path):
-    """Params A -> B -> A: the last ``dvc repro`` restores A's outputs from DVC's run cache
-    without running the stage, and ``report.json`` with them (it is a declared, cached output):
-    byte for byte A's report (its wall time included, which no rerun reproduces), not B's left
-    over. ``prompts`` is the cheapest stage with a seed."""
-    repo = clone(tmp_path)
-    committed = (repo / "params.yaml").read_text()
-    parquet, rep = repo / "data/prompts/prompts.parquet", repo / "data/prompts/report.json"
-    dvc = [sys.executable, "-m", "dvc", "repro", "prompts"]
-    assert ran_stages(sh(dvc, repo)) == ["prompts"]
-    first = {"table": md5(parquet), "report": rep.read_bytes()}
-    _set(repo, "prompts", "seed", yaml.safe_load(committed)["prompts"]["seed"] + 1)
-    assert ran_stages(sh(dvc, repo)) == ["prompts"]
-    assert md5(parquet) != first["table"]  # another test split
-    assert rep.read_bytes() != first["report"]
-    (repo / "params.yaml").write_text(committed)
-    out = sh(dvc, repo)
-    assert ran_stages(out) == [] and "Stage 'prompts' is cached - skipping run" in out, out[-2000:]
-    assert md5(parquet) == first["table"]
-    assert rep.read_bytes() == first["report"]
 
 
 def test_snakemake_runs_the_same_stages_with_identical_outputs(dvc_repo, tmp_path):
@@ -400,59 +317,3 @@ def test_snakemake_runs_the_same_stages_with_identical_outputs(dvc_repo, tmp_pat
     for role in ("judge_base", "policy_t2is", "clip"):
         for f in sorted((dvc_dir / "data/models" / role).rglob("*.safetensors")):
             assert md5(repo / f.relative_to(dvc_dir)) == md5(f), f
-
-
-#: a shortened judge training (64 pairs, 1 epoch) for the numeric-path test
-SHORT_JUDGE = {"max_train_pairs": 64, "epochs": 1}
-
-
-def _host_has_avx512() -> bool:
-    from paco.core.numerics import cpu_has_avx2
-
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return cpu_has_avx2() and "avx512f" in flags.split()
-
-
-def _run_on_path(tmp: Path, env_update: dict[str, str | None], target: str) -> dict[str, str]:
-    """``dvc repro target`` in a fresh clone (shortened judge training) with the CPU code-path
-    variables of ``env_update`` (``None``: unset); every artifact's md5."""
-    from paco.core.numerics import FIXED_CPU_ISA_ENV
-
-    repo = clone(tmp)
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["reward_train"].update(SHORT_JUDGE)
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {k: v for k, v in _env().items() if k not in FIXED_CPU_ISA_ENV}
-    env.update({k: v for k, v in env_update.items() if v is not None})
-    proc = subprocess.run([sys.executable, "-m", "dvc", "repro", target], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=1200)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return _artifacts(repo)
-
-
-def test_the_hosts_numeric_paths_do_not_change_the_bytes(tmp_path):
-    """Stage processes fix every CPU code path themselves (paco.core.numerics): the data stages
-    and a shortened judge training, started with none of the code-path variables set (so each
-    process must pin itself, on whatever CPU this is), give the same bytes as when started with
-    the values an AVX2-only host runs with exported. On an AVX-512 host the control shows the
-    test can fail: with numpy's and OpenBLAS's own AVX-512 paths opted into, the composites
-    differ."""
-    from paco.core.numerics import cpu_has_avx2, cpu_isa_env
-
-    if not cpu_has_avx2():
-        pytest.skip("not an x86-64 CPU with AVX2: the CPU paths are left to the libraries")
-    bare = _run_on_path(tmp_path / "bare", {}, "reward_train")
-    avx2 = _run_on_path(tmp_path / "avx2", cpu_isa_env(), "reward_train")
-    assert "data/reward_train/adapter/adapter_model.safetensors" in bare and "data/reasons/sft.parquet" in bare
-    assert sorted(bare) == sorted(avx2)
-    assert [k for k in bare if bare[k] != avx2[k]] == []
-    if _host_has_avx512():
-        own = _run_on_path(tmp_path / "own", {**cpu_isa_env(), "NPY_DISABLE_CPU_FEATURES": "",
-                                              "OPENBLAS_CORETYPE": "SkylakeX"}, "composites")
-        assert own["data/composites/composites.parquet"] != bare["data/composites/composites.parquet"]
-
-
-@pytest.mark.parametrize("profile", ["local", "slurm", "sbatch"])
-def test_snakemake_profiles_dry_run(profile):
-    out = sh([sys.executable, "-m", "snakemake", "-n", "--profile", f"workflow/profiles/{profile}"], ROOT)
-    assert "pairs" in out
