@@ -116,12 +116,12 @@ def test_the_tower_cache_computes_a_recurring_image_once_and_stays_in_its_bound(
     finally:
         del judge.model.get_image_features  # the class's method again
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    one = cached.tower_cache._bytes // 4  # every panel's features have the same size
+    one = cached.tower_cache.nbytes // 4  # every panel's features have the same size
     small = Judge(judge.model, judge.processor, tower_cache_bytes=2 * one)
     for p in pairs:
         small.logits(small.encode([p]))
-        assert small.tower_cache._bytes <= 2 * one
-    assert len(small.tower_cache._entries) == 2
+        assert small.tower_cache.nbytes <= 2 * one
+    assert len(small.tower_cache) == 2
     with pytest.raises(ValueError, match="max_bytes"):
         Judge(judge.model, judge.processor, tower_cache_bytes=-1)
 

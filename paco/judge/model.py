@@ -27,8 +27,6 @@ retries, silently. We fail instead.)
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from paco.core.caching import BytesLRU
 from paco.judge.chat import build_messages
 from paco.judge.response import NO, YES, format_response
 
@@ -249,12 +248,13 @@ def encode_sft(
     return out
 
 
-class TowerCache:
-    """A byte-bounded LRU of the vision tower's output per image, keyed by the image's preprocessed
-    pixel rows (a BLAKE2b digest of their bytes), image grid and dtype: what vLLM's encoder cache
-    does for multimodal inputs. A hit returns the tensor the tower computed for the same rows, so
-    scores are bit-identical with or without it. In GRPO a 2x2 grid's 4 panels appear in 6 pairs
-    and an edit's input in every request of its group, so most images recur.
+class TowerCache(BytesLRU):
+    """A byte-bounded LRU (:class:`paco.core.caching.BytesLRU`) of the vision tower's output per
+    image, keyed by the image's preprocessed pixel rows (a BLAKE2b digest of their bytes), image
+    grid, dtype and shape: what vLLM's encoder cache does for multimodal inputs. A hit returns the
+    tensor the tower computed for the same rows, so scores are bit-identical with or without it.
+    In GRPO a 2x2 grid's 4 panels appear in 6 pairs and an edit's input in every request of its
+    group, so most images recur.
 
     The entries are the model's outputs for its weights when computed: a model whose weights
     change (training) needs a new cache or :meth:`clear`. Thread-safe. ``max_bytes`` 0 disables
@@ -265,14 +265,7 @@ class TowerCache:
     """
 
     def __init__(self, max_bytes: int = 64 << 20):
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes = int(max_bytes)
-        self._entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        super().__init__(max_bytes, sizeof=lambda t: t.numel() * t.element_size())
 
     @staticmethod
     def key(rows: torch.Tensor, grid: torch.Tensor) -> tuple:
@@ -281,34 +274,6 @@ class TowerCache:
         digest = hashlib.blake2b(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"",
                                  digest_size=16).hexdigest()
         return digest, tuple(int(v) for v in grid.tolist()), str(rows.dtype), tuple(rows.shape)
-
-    def get(self, key: tuple) -> torch.Tensor | None:
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return hit
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0
-
-    def put(self, key: tuple, value: torch.Tensor) -> None:
-        size = value.numel() * value.element_size()
-        if self.max_bytes == 0 or size > self.max_bytes:
-            return
-        with self._lock:
-            if key in self._entries:
-                return
-            self._entries[key] = value
-            self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= old.numel() * old.element_size()
 
 
 @torch.no_grad()

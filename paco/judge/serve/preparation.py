@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from paco.core.caching import BytesLRU
 from paco.judge.model import JudgeContextError, check_context, encode_prompts
 from paco.judge.serve.limits import ServerLimits
 from paco.judge.serve.protocol import IMAGE_KEY, _DecodedImages, parse_chat_request
@@ -46,37 +46,30 @@ class ImageFeatureCache:
 
     def __init__(self, image_processor: Any, max_bytes: int = 128 << 20):
         self._inner = image_processor
-        self.max_bytes = int(max_bytes)
-        self._entries: OrderedDict[tuple, tuple[dict, int]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._cache = BytesLRU(max_bytes, sizeof=lambda feats: sum(
+            v.numel() * v.element_size() for v in feats.values() if isinstance(v, torch.Tensor)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    @property
+    def hits(self) -> int:
+        return self._cache.hits
+
+    @property
+    def misses(self) -> int:
+        return self._cache.misses
+
     def _features(self, image: Any, kwargs: dict[str, Any], kw_key: str) -> dict[str, Any]:
         digest = getattr(image, "info", {}).get(IMAGE_KEY)
         key = (digest, kw_key)
-        if digest is not None and self.max_bytes > 0:
-            with self._lock:
-                hit = self._entries.get(key)
-                if hit is not None:
-                    self._entries.move_to_end(key)
-                    self.hits += 1
-                    return hit[0]
+        cached = digest is not None and self._cache.max_bytes > 0
+        hit = self._cache.get(key) if cached else None
+        if hit is not None:
+            return hit
         feats = dict(self._inner([image], **kwargs))
-        if digest is not None and self.max_bytes > 0:
-            size = sum(v.numel() * v.element_size() for v in feats.values() if isinstance(v, torch.Tensor))
-            with self._lock:
-                self.misses += 1
-                if key not in self._entries and size <= self.max_bytes:
-                    self._entries[key] = (feats, size)
-                    self._bytes += size
-                    while self._bytes > self.max_bytes:
-                        _, (_, old) = self._entries.popitem(last=False)
-                        self._bytes -= old
+        if cached:
+            self._cache.put(key, feats)
         return feats
 
     def __call__(self, images: Any, **kwargs: Any) -> Any:

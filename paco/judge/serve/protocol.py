@@ -29,16 +29,15 @@ import hashlib
 import io
 import math
 import re
-import threading
 import time
 import warnings
-from collections import OrderedDict
 from json.decoder import scanstring
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from paco.core.caching import BytesLRU
 from paco.core.io import ImageDecodeError, render_rgb
 
 if TYPE_CHECKING:
@@ -116,34 +115,12 @@ class ChatCompletionRequest(_Schema):
 # --------------------------------------------------------------------------------------------
 
 
-class _DecodedImages:
-    """A byte-bounded LRU of decoded images keyed by the digest of their base64 payload."""
+class _DecodedImages(BytesLRU):
+    """A byte-bounded LRU of decoded images keyed by the digest of their base64 payload (a
+    bound <= 0 keeps none)."""
 
     def __init__(self, max_bytes: int):
-        self.max_bytes = int(max_bytes)
-        self._entries: OrderedDict[bytes, Any] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, digest: bytes) -> Any:
-        with self._lock:
-            im = self._entries.get(digest)
-            if im is not None:
-                self._entries.move_to_end(digest)
-            return im
-
-    def put(self, digest: bytes, image: Any) -> None:
-        size = image.width * image.height * len(image.getbands())
-        if self.max_bytes <= 0 or size > self.max_bytes:
-            return
-        with self._lock:
-            if digest in self._entries:
-                return
-            self._entries[digest] = image
-            self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= old.width * old.height * len(old.getbands())
+        super().__init__(max(int(max_bytes), 0), sizeof=lambda im: im.width * im.height * len(im.getbands()))
 
 
 _ADDRESS = re.compile(r"<[^<>]*? at 0x[0-9a-fA-F]+>")
