@@ -226,7 +226,7 @@ def _apply_eval_change(repo: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def freshartifacts(dvc_repo, dvc_repro_noop) -> dict[str, str]:
+def fresh_artifacts(dvc_repo, dvc_repro_noop) -> dict[str, str]:
     """The md5 of every artifact the fresh clone's ``dvc repro`` wrote (before any test edits a param)."""
     repo, _ = dvc_repo
     return artifacts(repo)
