@@ -410,6 +410,70 @@ def test_gradient_checkpointing_recomputes_the_layers_and_changes_no_step(tiny_m
     assert lora0.keys() == lora1.keys() and all(torch.equal(lora0[k], lora1[k]) for k in lora0)
 
 
+def test_response_positions_cover_every_rows_response():
+    """The positions whose hidden state predicts a response token of any row (labels shifted by
+    one), ascending, each once."""
+    from paco.judge.training import response_positions
+
+    ig = -100
+    labels = torch.tensor([[ig, ig, ig, 7, 8, ig, ig],
+                           [ig, ig, ig, ig, ig, 7, 9],
+                           [ig, ig, ig, 5, ig, ig, ig]])
+    assert response_positions(labels).tolist() == [2, 3, 4, 5]
+    assert response_positions(labels).dtype == torch.int64
+
+
+def test_training_forward_at_response_positions_equals_the_whole_sequence(tiny_model_dirs):
+    """The training forward computes logits only where a response token is predicted: at those
+    positions they equal the whole sequence's logits (independently: the full forward, shifted),
+    every response label is kept, and the first-token-weighted loss, the answer statistics and
+    the LoRA gradients agree with the full forward's (prompts of different lengths, so the rows'
+    responses sit at different positions)."""
+    from paco.judge.lora import apply_lora
+    from paco.judge.losses import first_token_weighted_loss
+    from paco.judge.model import IGNORE_INDEX, check_answer_tokens
+    from paco.judge.sft_data import encode_rows, load_sft_rows
+    from paco.judge.training import _answer_stats, _forward
+    from paco.models.loading import load_judge
+
+    sft = make_sft_table(6, 0)
+    sft["instruction"] = [judge_instruction(theme) for theme in
+                          ["a wall", "a textured wall in the rain at night", "x", "a red brick wall", "a",
+                           "two walls", "a wall"]]
+    rows = load_sft_rows(sft, "train")
+    model, processor = load_judge(tiny_model_dirs["judge_base"], dtype=torch.float32)
+    answer = check_answer_tokens(processor.tokenizer)
+    model = apply_lora(model, LoraParams())
+    torch.manual_seed(0)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    for p in lora:  # LoRA B starts at zero: move every factor so every gradient is non-zero
+        p.data.add_(0.05 * torch.randn_like(p))
+    batch = encode_rows(processor, rows, answer)
+    assert len({int(m.sum()) for m in batch["attention_mask"]}) > 1
+
+    def loss_and_grads(logits, labels):
+        loss = first_token_weighted_loss(logits, labels, 0.5, "paper")
+        grads = torch.autograd.grad(loss, lora)
+        return loss.detach(), grads
+
+    logits, labels = _forward(model, batch, torch.device("cpu"))
+    full = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
+    full_labels = batch["labels"][:, 1:]
+    assert logits.shape[1] < full.shape[1] // 2
+    assert (labels != IGNORE_INDEX).sum() == (full_labels != IGNORE_INDEX).sum()
+    assert sorted(labels[labels != IGNORE_INDEX].tolist()) == sorted(full_labels[full_labels != IGNORE_INDEX].tolist())
+    keep = torch.nonzero((full_labels != IGNORE_INDEX).any(0)).squeeze(1)
+    torch.testing.assert_close(logits, full[:, keep], rtol=1e-5, atol=1e-5)
+    for a, b in zip(_answer_stats(logits.detach(), labels, answer), _answer_stats(full.detach(), full_labels, answer)):
+        torch.testing.assert_close(a, b)
+    loss, grads = loss_and_grads(logits, labels)
+    loss_full, grads_full = loss_and_grads(full, full_labels)
+    torch.testing.assert_close(loss, loss_full, rtol=1e-6, atol=0)
+    assert all(g.abs().max() > 0 for g in grads)
+    for g, h in zip(grads, grads_full):
+        torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-7)
+
+
 # --------------------------------------------------------------------------------------------
 # the stage under accelerate launch: 1 process == 2 processes (gloo) at the same global batch
 # --------------------------------------------------------------------------------------------

@@ -126,12 +126,28 @@ def enable_gradient_checkpointing(model: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def response_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions ``t`` (int64 ``(K,)``, ascending) whose hidden state predicts a response token
+    of some row: ``labels[:, t + 1] != -100`` for at least one row of ``labels`` ``(B, L)``."""
+    return torch.nonzero((labels[:, 1:] != IGNORE_INDEX).any(dim=0)).squeeze(1)
+
+
 def _forward(model: Any, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits aligned with labels ``(B, L-1, V)``, labels ``(B, L-1)``): ``logits[:, t]``
-    predicts token ``t + 1``, so logits drop the last position and labels the first."""
+    """(logits ``(B, K, V)``, labels ``(B, K)``) at the :func:`response_positions` ``t`` of the
+    batch: ``logits[:, k]`` is the prediction of token ``t_k + 1``, ``labels[:, k]`` that token
+    (``-100`` in rows whose response is elsewhere).
+
+    The output head runs on those K positions only (``logits_to_keep``, the same rows of the same
+    product as over the whole sequence), not on every prompt token: the loss and the answer
+    statistics read nothing else. For the embedded default's batches K is about 24 of ~200
+    positions (fwd + bwd about a third cheaper); at paper scale it saves the ``(B, L, 152k)``
+    float32 logits of the whole prompt.
+    """
+    labels = batch["labels"].to(device)
+    keep = response_positions(labels)
     inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
-    return logits[:, :-1, :], batch["labels"][:, 1:].to(device)
+    logits = model(**inputs, logits_to_keep=keep).logits
+    return logits, labels[:, 1:][:, keep]
 
 
 @torch.no_grad()
