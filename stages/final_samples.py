@@ -69,11 +69,12 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     prompts = read_parquet(args.items, required=ITEM_COLUMNS[cfg.dataset])
     accelerator = make_accelerator()
     try:
-        # a local judge server loads while make_reward_context loads CLIP (and PickScore), then waits for it
+        # a local judge server loads while make_reward_context loads CLIP (and PickScore) and the policy
+        # loads; the judge client is made (waiting for the server) once the policy is in memory
         with judge_endpoint(params, args.judge, accelerator, Path("logs"),
                             log_name=f"final_samples_{args.subtask}.judge_server.log") as endpoint:
             ctx = make_reward_context(params, endpoint, args.clip, args.pickscore, rewards=cfg.rewards,
-                                      device=accelerator.device)
+                                      device=accelerator.device, connect=False)
             table, sheets, metrics = final_samples(cfg, prompts, args.policy, args.lora, ctx,
                                                    rank=accelerator.process_index, world=accelerator.num_processes,
                                                    accelerator=accelerator)

@@ -69,10 +69,11 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     grpo_member = member(f"grpo@{args.subtask}", params.model_dump(mode="json", by_alias=True))
     identity = stage_identity_on_main(grpo_member, args, params, accelerator)
     try:
-        # a local judge server loads while make_reward_context loads CLIP (and PickScore), then waits for it
+        # a local judge server loads while make_reward_context loads CLIP (and PickScore) and the policy
+        # loads; the judge client is made (waiting for the server) once the policy is in memory
         with judge_endpoint(params, args.judge, accelerator, args.checkpoints) as endpoint:
             ctx = make_reward_context(params, endpoint, args.clip, args.pickscore, rewards=cfg.rewards,
-                                      device=accelerator.device)
+                                      device=accelerator.device, connect=False)
             out = train_grpo(cfg, prompts, args.policy, ctx, identity=identity, lora_dir=args.lora,
                              checkpoints_dir=args.checkpoints, plots_dir=args.plots, accelerator=accelerator)
     except (JudgeError, RewardError) as exc:

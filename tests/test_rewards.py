@@ -177,6 +177,55 @@ def test_the_pickscore_model_loads_only_for_the_pickscore_reward(tiny_model_dirs
     assert not torch.equal(ctx.pickscore.model.state_dict()[weight], ctx.clip.model.state_dict()[weight])
 
 
+def test_a_deferred_judge_is_reached_only_on_connect(tiny_model_dirs, monkeypatch):
+    """``make_reward_context(connect=False)`` loads the scorers but neither waits for the endpoint
+    nor makes the judge client: :meth:`RewardContext.connect` does, once (a second call does
+    nothing), and an endpoint that fails raises there. Before it, a judge reward is an error that
+    says so, never a default score; ``connect=True`` (the default) reaches the judge at once."""
+    import paco.judge.client as client_module
+    from paco.core.params import Params
+    from paco.judge.client import JudgeError
+
+    calls = []
+
+    class FakeClient:
+        def __init__(self, url, *args, **kwargs):
+            calls.append(("client", url))
+
+        def check_model(self):
+            calls.append(("check",))
+
+    class Endpoint:
+        def __init__(self, fail=False):
+            self.fail = fail
+
+        def url(self):
+            calls.append(("url",))
+            if self.fail:
+                raise JudgeError("judge server not healthy")
+            return "http://127.0.0.1:9/v1"
+
+    monkeypatch.setattr(client_module, "JudgeClient", FakeClient)
+    ctx = R.make_reward_context(Params(), Endpoint(), tiny_model_dirs["clip"], tiny_model_dirs["clip"],
+                                rewards=["consistency", "clip_t"], connect=False)
+    assert calls == [] and ctx.judge is None and isinstance(ctx.clip, ClipScorer)
+    item = SubtaskItem("p0", "a cat", "", 2, 2, ("p",) * 4)
+    with pytest.raises(R.RewardError, match="connect"):
+        R.compute_rewards(["consistency"], [Image.new("RGB", (64, 64))], [item], ctx)
+    assert ctx.connect() is ctx
+    assert calls == [("url",), ("client", "http://127.0.0.1:9/v1"), ("check",)]
+    assert isinstance(ctx.judge, FakeClient)
+    ctx.connect()
+    assert len(calls) == 3
+    failing = R.make_reward_context(Params(), Endpoint(fail=True), tiny_model_dirs["clip"], tiny_model_dirs["clip"],
+                                    rewards=["consistency"], connect=False)
+    with pytest.raises(JudgeError, match="not healthy"):
+        failing.connect()
+    calls.clear()
+    R.make_reward_context(Params(), Endpoint(), tiny_model_dirs["clip"], tiny_model_dirs["clip"], rewards=["consistency"])
+    assert calls == [("url",), ("client", "http://127.0.0.1:9/v1"), ("check",)]
+
+
 def test_editing_reward_from_hand_made_logprobs_through_the_official_client():
     """consistency_for_editing = sqrt(P_SC * P_PF), each P = P(Yes)/(P(Yes)+P(No)) of the first
     token, computed here independently from the log-probs an OpenAI-compatible stub serves for

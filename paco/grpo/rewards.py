@@ -38,7 +38,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +141,9 @@ class RewardContext:
             ``pickscore``.
         instruction: ``theme`` (the T2IS theme template, paper) or ``rank`` (theme-free).
         split_method, tolerance: how grids are cut (``subfigures`` params).
+        pending_judge: makes ``judge`` when :meth:`connect` is called (``make_reward_context(...,
+            connect=False)``: the judge is reached after the policy has loaded); ``None``: nothing
+            pending.
     """
 
     judge: Any = None
@@ -149,6 +152,21 @@ class RewardContext:
     instruction: str = "theme"
     split_method: str = "refine"
     tolerance: float = 0.08
+    pending_judge: Callable[[], Any] | None = field(default=None, repr=False)
+
+    def connect(self) -> RewardContext:
+        """Make the pending judge client now (waiting for a local judge server to be ready and
+        checking the model it serves); nothing when none is pending. Every process of a stage
+        calls it at the same point (a local server's URL is gathered over the processes). Returns
+        ``self``.
+
+        Raises:
+            paco.judge.client.JudgeError: the judge is unreachable or serves another model.
+        """
+        if self.pending_judge is not None:
+            make, self.pending_judge = self.pending_judge, None
+            self.judge = make()
+        return self
 
     def panel_boxes(self, image: Image.Image, prompt: SubtaskItem) -> list[tuple[int, int, int, int]]:
         """The grid's ``rows x cols`` panel boxes (:func:`paco.data.subfigures.split_grid`)."""
@@ -165,12 +183,15 @@ PICKSCORE_REWARDS = frozenset({"pickscore"})
 
 
 def make_reward_context(params: Params, endpoint: Any, clip_dir: Path, pickscore_dir: Path, *,
-                        rewards: Iterable[str], device: Any = "cpu") -> RewardContext:
+                        rewards: Iterable[str], device: Any = "cpu", connect: bool = True) -> RewardContext:
     """The reward context of a stage (``grpo``, ``final_samples``): the judge client
     (``judge_endpoint`` params), the CLIP scorer, the PickScore scorer when one of ``rewards``
     needs it (:data:`PICKSCORE_REWARDS`), the judge instruction and the grid cutting
     (``subfigures`` params). The scorers load before waiting for the endpoint, so they load while
-    a local judge server starts.
+    a local judge server starts; with ``connect=False`` the judge client is left pending
+    (:meth:`RewardContext.connect`), so the caller can also load its policy first (the trainer
+    and final sampling do: at paper scale vLLM's start-up and FLUX.1's load each take about a
+    minute).
 
     Args:
         params: the validated params.
@@ -201,12 +222,18 @@ def make_reward_context(params: Params, endpoint: Any, clip_dir: Path, pickscore
     pickscore = None
     if PICKSCORE_REWARDS & set(rewards):
         pickscore = ClipScorer(pickscore_dir, device=device, dtype=torch.float32)
-    client = JudgeClient(endpoint.url(), cfg.served_model_name, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
-                         retries=cfg.retries,
-                         top_logprobs=cfg.top_logprobs, answer_variants=cfg.answer_variants, api_key=api_key)
-    client.check_model()
-    return RewardContext(judge=client, clip=clip, pickscore=pickscore, instruction=cfg.instruction,
-                         split_method=params.subfigures.method, tolerance=params.subfigures.tolerance)
+
+    def judge_client() -> JudgeClient:
+        client = JudgeClient(endpoint.url(), cfg.served_model_name, concurrency=cfg.concurrency,
+                             timeout_s=cfg.timeout_s, retries=cfg.retries, top_logprobs=cfg.top_logprobs,
+                             answer_variants=cfg.answer_variants, api_key=api_key)
+        client.check_model()
+        return client
+
+    ctx = RewardContext(clip=clip, pickscore=pickscore, instruction=cfg.instruction,
+                        split_method=params.subfigures.method, tolerance=params.subfigures.tolerance,
+                        pending_judge=judge_client)
+    return ctx.connect() if connect else ctx
 
 
 RewardFn = Callable[[Sequence[Image.Image], Sequence[SubtaskItem], RewardContext], np.ndarray]
@@ -234,7 +261,8 @@ def register(name: str, *, served: bool = False) -> Callable[[RewardFn], RewardF
 
 def _need(obj: Any, what: str, reward: str) -> Any:
     if obj is None:
-        raise RewardError(f"reward {reward!r} needs a {what}, none was given")
+        raise RewardError(f"reward {reward!r} needs a {what}, none was given (a reward context made with "
+                          "connect=False is connected by RewardContext.connect())")
     return obj
 
 
