@@ -164,8 +164,8 @@ class RewardContext:
             paco.judge.client.JudgeError: the judge is unreachable or serves another model.
         """
         if self.pending_judge is not None:
-            make, self.pending_judge = self.pending_judge, None
-            self.judge = make()
+            self.judge = self.pending_judge()  # a failure leaves it pending: a retry tries again
+            self.pending_judge = None
         return self
 
     def panel_boxes(self, image: Image.Image, prompt: SubtaskItem) -> list[tuple[int, int, int, int]]:
