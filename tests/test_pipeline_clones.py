@@ -38,8 +38,8 @@ def test_the_run_cache_restores_the_report_of_the_outputs_it_restores(tmp_path):
     assert rep.read_bytes() == first["report"]
 
 
-#: a shortened judge training (64 pairs, 1 epoch) for the numeric-path test
-SHORT_JUDGE = {"max_train_pairs": 64, "epochs": 1}
+#: a shortened judge training (64 pairs, 1 epoch, evaluated on 32 test pairs) for the numeric-path test
+SHORT_JUDGE = {"max_train_pairs": 64, "max_test_pairs": 32, "epochs": 1}
 
 
 def _host_has_avx512() -> bool:

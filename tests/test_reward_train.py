@@ -368,6 +368,43 @@ def test_too_few_pairs_is_an_error(tiny_model_dirs, tmp_path):
                      adapter_dir=None, checkpoints_dir=tmp_path / "ck")
 
 
+def test_max_test_pairs_evaluates_one_fixed_subsample_of_the_test_split(tiny_model_dirs, tmp_path):
+    """``max_test_pairs`` keeps that many test rows, the same ones whatever the epoch (drawn once
+    with the stage seed, in the table's order); ``null`` keeps the whole split; the train split is
+    untouched, and the evaluation and its report see only the kept rows."""
+    from paco.core.run_identity import params_identity
+    from paco.judge import training as T
+    from paco.judge.run import RewardState
+    from paco.judge.sft_data import load_sft_rows, subsample
+    from workflow.registry import member
+
+    sft = make_sft_table(16, 12)
+    all_test = load_sft_rows(sft, "test")
+    assert len({r.pair_id for r in all_test}) == 12
+    kept = {}
+    for limit in (None, 5):
+        cfg = _cfg(batch_size=4, max_test_pairs=limit)
+        identity = params_identity(member("reward_train"), {"reward_train": cfg.model_dump(mode="json")})
+        run = T.setup(cfg, sft, tiny_model_dirs["judge_base"], identity, accelerator=T.make_accelerator(cfg),
+                      checkpoints_dir=tmp_path / f"ck{limit}", plots_dir=None)
+        assert len(run.train_rows) == 16
+        ids = [r.pair_id for r in run.test_rows]
+        if limit is None:
+            assert ids == [r.pair_id for r in all_test] and len(ids) == 12
+        else:
+            order = [r.pair_id for r in all_test]
+            positions = [order.index(i) for i in ids]
+            assert len(ids) == 5 and positions == sorted(positions) and len(set(positions)) == 5
+            assert T.evaluate_epoch(run, RewardState(), 1)["pairs"] == 5
+            assert T.evaluate_epoch(run, RewardState(), 2)["pairs"] == 5
+            kept[limit] = ids
+        for h in run.hooks:
+            h.remove()
+    # the subsample is a function of the stage seed: another seed keeps other rows
+    assert kept[5] != [r.pair_id for r in subsample(all_test, 5, 1)]
+    assert kept[5] == [r.pair_id for r in subsample(all_test, 5, _cfg().seed)]
+
+
 def test_gradient_checkpointing_recomputes_the_layers_and_changes_no_step(tiny_model_dirs, tmp_path):
     """``gradient_checkpointing`` (default off, also in params.yaml) turns transformers'
     non-reentrant checkpointing on in setup: every decoder layer of the language model is flagged,

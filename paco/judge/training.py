@@ -232,7 +232,7 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
         torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     train_all = load_sft_rows(sft, "train")
     train_rows = subsample(train_all, cfg.max_train_pairs, cfg.seed)
-    test_rows = load_sft_rows(sft, "test")
+    test_rows = subsample(load_sft_rows(sft, "test"), cfg.max_test_pairs, cfg.seed)
     bs, ga = cfg.batch_size, cfg.gradient_accumulation_steps
     global_batch = bs * world * ga
     if len(train_rows) < global_batch:

@@ -148,6 +148,9 @@ class RewardTrainParams(_Section):
     loss_variant: Literal["paper", "reference"] = "paper"
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
     max_train_pairs: int | None = Field(None, ge=1, description="subsample the train split")
+    max_test_pairs: int | None = Field(
+        None, ge=1, description="evaluate each epoch on at most this many test pairs (the same subsample every "
+        "epoch, drawn with the stage seed; null: the whole test split)")
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
