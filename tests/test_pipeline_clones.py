@@ -4,6 +4,8 @@ file of their own, so a second test worker runs them beside the long repro."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,12 +51,19 @@ def _host_has_avx512() -> bool:
     return cpu_has_avx2() and "avx512f" in flags.split()
 
 
-def _run_on_path(tmp: Path, env_update: dict[str, str | None], target: str) -> dict[str, str]:
-    """``dvc repro target`` in a fresh clone (shortened judge training) with the CPU code-path
-    variables of ``env_update`` (``None``: unset); every artifact's md5."""
+def _run_on_path(tmp: Path, env_update: dict[str, str | None], target: str,
+                 start_from: Path | None = None) -> tuple[dict[str, str], list[str]]:
+    """``dvc repro target`` (shortened judge training) with the CPU code-path variables of
+    ``env_update`` (``None``: unset), in a fresh clone or in a copy of ``start_from`` (a clone
+    whose earlier stages ran; their outputs are kept where their inputs are unchanged): every
+    artifact's md5 and the stages this ``dvc repro`` ran."""
     from paco.core.numerics import FIXED_CPU_ISA_ENV
 
-    repo = clone(tmp)
+    if start_from is None:
+        repo = clone(tmp)
+    else:
+        repo = tmp / "repo"
+        shutil.copytree(start_from, repo, symlinks=True)
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["reward_train"].update(SHORT_JUDGE)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -63,10 +72,10 @@ def _run_on_path(tmp: Path, env_update: dict[str, str | None], target: str) -> d
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro", target], cwd=repo, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return artifacts(repo)
+    return artifacts(repo), ran_stages(proc.stdout)
 
 
-def test_the_hosts_numeric_paths_do_not_change_the_bytes(tmp_path):
+def test_the_hosts_numeric_paths_do_not_change_the_bytes(data_stages_clone, tmp_path):
     """Stage processes fix every CPU code path themselves (paco.core.numerics): the data stages
     and a shortened judge training, started with none of the code-path variables set (so each
     process must pin itself, on whatever CPU this is), give the same bytes as when started with
@@ -77,14 +86,21 @@ def test_the_hosts_numeric_paths_do_not_change_the_bytes(tmp_path):
 
     if not cpu_has_avx2():
         pytest.skip("not an x86-64 CPU with AVX2: the CPU paths are left to the libraries")
-    bare = _run_on_path(tmp_path / "bare", {}, "reward_train")
-    avx2 = _run_on_path(tmp_path / "avx2", cpu_isa_env(), "reward_train")
+    bare, ran = _run_on_path(tmp_path / "bare", {}, "reward_train")
+    assert "composites" in ran and "reward_train" in ran, ran
+    # the AVX2-only values: data_stages_clone's data stages ran under them (this process exports
+    # them, conftest), so only the judge training runs again; without them, a clone runs them all
+    isa = cpu_isa_env()
+    fixture_on_isa = all(os.environ.get(k) == v for k, v in isa.items())
+    avx2, ran = _run_on_path(tmp_path / "avx2", isa, "reward_train",
+                             start_from=data_stages_clone if fixture_on_isa else None)
+    assert "reward_train" in ran and (not fixture_on_isa or ran == ["reward_train"]), ran
     assert "data/reward_train/adapter/adapter_model.safetensors" in bare and "data/reasons/sft.parquet" in bare
     assert sorted(bare) == sorted(avx2)
     assert [k for k in bare if bare[k] != avx2[k]] == []
     if _host_has_avx512():
-        own = _run_on_path(tmp_path / "own", {**cpu_isa_env(), "NPY_DISABLE_CPU_FEATURES": "",
-                                              "OPENBLAS_CORETYPE": "SkylakeX"}, "composites")
+        own, _ = _run_on_path(tmp_path / "own", {**isa, "NPY_DISABLE_CPU_FEATURES": "",
+                                                 "OPENBLAS_CORETYPE": "SkylakeX"}, "composites")
         assert own["data/composites/composites.parquet"] != bare["data/composites/composites.parquet"]
 
 
