@@ -153,3 +153,30 @@ def test_build_layout_loads_and_is_deterministic(tmp_path, base_dir):
                  "vae/config.json"):
         assert (out / name).read_bytes() == (tmp_path / "b" / Q.MODEL_NAME / name).read_bytes(), name
 
+
+
+def test_the_figures_sample_as_the_recipe_says(tmp_path, monkeypatch):
+    """``negative_prompt``: the figures' edits are sampled as ``final_samples.qwen_editing`` samples
+    with that negative prompt (None: no true CFG, the embedded default's params): the build's
+    figures equal those of the saved model loaded that way, and differ from true CFG's."""
+    loads = []
+    real = Q.load_edit_policy
+
+    def spy(model_dir, **kw):
+        loads.append(kw.get("negative_prompt", Q.NEGATIVE_PROMPT))
+        return real(model_dir, **kw)
+
+    monkeypatch.setattr(Q, "load_edit_policy", spy)
+    recipe = Q.QwenImageEditRecipe(**TINY, negative_prompt=None)
+    figures = Q.build(tmp_path, recipe)
+    assert loads == [Q.NEGATIVE_PROMPT, None]  # trained with its unconditional branch, sampled without CFG
+    out = tmp_path / Q.MODEL_NAME
+    assert json.loads((out / "pretrain.json").read_text())["recipe"]["negative_prompt"] is None
+    plain = real(out, negative_prompt=None)
+    without, _ = Q.edit_figures(plain, "test", recipe)
+    assert figures["edits_test"] == without
+    # the switch reaches the sampler: true CFG gives other pixels (the figures round to 4 places)
+    item = [Q.edit_items("test")[0][0]]
+    a = np.asarray(Q.sample_edits(plain, item, steps=2, seeds=1)[0][0], dtype=np.int16)
+    b = np.asarray(Q.sample_edits(real(out), item, steps=2, seeds=1)[0][0], dtype=np.int16)
+    assert np.abs(a - b).max() > 0

@@ -50,7 +50,8 @@ Figures (:func:`build`'s return value and ``pretrain.json``): VAE PSNR / SSIM on
 views, and the edits' SSIM to their input (:func:`paco.pretrain.quality.edit_ssim`) for
 the edits stage's test items (held-out photographs) and its train items, sampled as
 ``final_samples`` samples them (``paco.grpo.final_samples._generate``: 128 px, 10 ODE steps, true
-CFG 4.0, 2 seeds per item) and with the GRPO rollouts' 6 steps.
+CFG 4.0 with the recipe's ``negative_prompt``, or none without one, 2 seeds per item) and with the
+GRPO rollouts' 6 steps.
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ class QwenImageEditRecipe(pydantic.BaseModel, extra="forbid"):
     ``AutoencoderKLQwenImage`` arguments (:func:`paco.models.tiny._build_qwen_image_edit`); empty:
     the tiny architecture. The transformer's ``in_channels`` / ``out_channels`` follow the VAE's
     ``z_dim`` (:meth:`overrides`). ``identity``: the share of training batches' rows that are
-    identity examples (:func:`make_bank`).
+    identity examples (:func:`make_bank`). ``negative_prompt``: the figures' edits are sampled with
+    true CFG 4.0 and this negative prompt (as ``final_samples.qwen_editing.negative_prompt``), or
+    without true CFG where ``None`` (the embedded default's params; ``uncond_fraction`` then trains
+    a branch no sampler uses).
     """
 
     seed: int = 0
@@ -129,6 +133,7 @@ class QwenImageEditRecipe(pydantic.BaseModel, extra="forbid"):
     uncond_fraction: float = pydantic.Field(0.1, ge=0, lt=1)
     identity: float = pydantic.Field(0.75, ge=0, lt=1)
     # evaluation (as final_samples.qwen_editing / grpo.qwen_editing.rollout)
+    negative_prompt: str | None = NEGATIVE_PROMPT  # the figures' true-CFG negative prompt; None: no true CFG
     eval_seeds: int = pydantic.Field(2, ge=1)
     eval_steps: int = pydantic.Field(10, ge=2)  # Qwen-Image's shift_terminal divides by zero at 1 step
     rollout_steps: int = pydantic.Field(6, ge=2)
@@ -532,7 +537,7 @@ def build(out_root: Path, recipe: QwenImageEditRecipe) -> dict:
     tr_losses = train_transformer(policy, bank, recipe)
     _save(policy.transformer, out / "transformer")
     t_tr = time.perf_counter()
-    policy = load_edit_policy(out)  # what every stage loads
+    policy = load_edit_policy(out, negative_prompt=recipe.negative_prompt)  # what every stage loads
     test, _ = edit_figures(policy, "test", recipe)
     train, _ = edit_figures(policy, "train", recipe)
     mean = lambda v: round(float(np.mean(v)), 5) if len(v) else None  # noqa: E731
