@@ -163,7 +163,8 @@ def _claim_figures(repo: Path) -> dict[str, float]:
 
 
 #: The learning claims the end-to-end test asserts: (figure, "gt" | "lt", bound). Each bound is
-#: cleared by the weakest of the 16 draws in docs/numerics.md: 3 GRPO seeds with each of two
+#: cleared by the weakest of the draws in docs/numerics.md (the pretrained Qwen-Image-Edit's: its 3
+#: GRPO seeds with the current judge; the others: 16 draws): 3 GRPO seeds with each of two
 #: judges under the stages' numerics (MKL COMPATIBLE; the judge trained with its head over the
 #: whole sequence, then only at the response positions), MKL's AUTO branch (seed 0), and, before
 #: the MKL pin, 3 GRPO seeds x numpy's and OpenBLAS's AVX2 and AVX-512 paths. A claim whose spread
