@@ -485,14 +485,15 @@ def test_local_model_directories_are_dependencies_of_models():
     config = load_config()
     config["models"] = {**config["models"], "clip": "data/raw/pretrained/clip", "judge_base": "./my/judge",
                         "policy_t2is": "black-forest-labs/FLUX.1-dev", "pickscore": "tiny:clip",
-                        "policy_kontext": "tiny:flux_kontext", "processor_from": {"clip": "/abs/processor_dir"}}
+                        "policy_kontext": "tiny:flux_kontext", "policy_qwen_edit": "Qwen/Qwen-Image-Edit",
+                        "processor_from": {"clip": "/abs/processor_dir"}}
     def data_deps(cfg):  # the stage's code files are deps too
         return sorted(d for d in render_dvc(cfg)["stages"]["models"]["deps"] if not d.endswith(".py"))
 
     assert data_deps(config) == ["./my/judge", "/abs/processor_dir", "data/raw/pretrained/clip"]
-    # the embedded default's pretrained CLIP and FLUX.1 policies
+    # the embedded default's pretrained CLIP, FLUX.1 and Qwen-Image-Edit policies
     assert data_deps(load_config()) == ["data/raw/pretrained/clip", "data/raw/pretrained/flux",
-                                        "data/raw/pretrained/flux_kontext"]
+                                        "data/raw/pretrained/flux_kontext", "data/raw/pretrained/qwen_image_edit"]
 
 
 def test_the_benchmarks_laion_predictor_inputs_are_dependencies():
