@@ -75,7 +75,7 @@ def _run_on_path(tmp: Path, env_update: dict[str, str | None], target: str,
     return artifacts(repo), ran_stages(proc.stdout)
 
 
-def test_the_hosts_numeric_paths_do_not_change_the_bytes(data_stages_clone, tmp_path):
+def test_the_hosts_numeric_paths_do_not_change_the_bytes(request, tmp_path):
     """Stage processes fix every CPU code path themselves (paco.core.numerics): the data stages
     and a shortened judge training, started with none of the code-path variables set (so each
     process must pin itself, on whatever CPU this is), give the same bytes as when started with
@@ -93,7 +93,7 @@ def test_the_hosts_numeric_paths_do_not_change_the_bytes(data_stages_clone, tmp_
     isa = cpu_isa_env()
     fixture_on_isa = all(os.environ.get(k) == v for k, v in isa.items())
     avx2, ran = _run_on_path(tmp_path / "avx2", isa, "reward_train",
-                             start_from=data_stages_clone if fixture_on_isa else None)
+                             start_from=request.getfixturevalue("data_stages_clone") if fixture_on_isa else None)
     assert "reward_train" in ran and (not fixture_on_isa or ran == ["reward_train"]), ran
     assert "data/reward_train/adapter/adapter_model.safetensors" in bare and "data/reasons/sft.parquet" in bare
     assert sorted(bare) == sorted(avx2)
