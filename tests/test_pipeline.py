@@ -1,4 +1,4 @@
-"""End-to-end: the embedded default's whole ``dvc repro`` in a fresh clone (17-19 min on 2
+"""End-to-end: the embedded default's whole ``dvc repro`` in a fresh clone (16-19 min on 2
 cores), what it leaves and what a change of it reruns; Snakemake's stages beside it. The tests
 that need a clone but not this repro are in tests/test_pipeline_clones.py."""
 
@@ -31,7 +31,7 @@ TABLES = [
 @pytest.fixture(scope="module")
 def dvc_repo(tmp_path_factory) -> tuple[Path, str]:
     repo = clone(tmp_path_factory.mktemp("dvc"))
-    # the whole embedded default: 16.5-19 min alone on a 2-core AMD EPYC (the host's speed varies
+    # the whole embedded default: 16-19 min alone on a 2-core AMD EPYC (the host's speed varies
     # between runs), 23-25 min beside the second test worker (CI's own limit, 90 min, bounds the
     # whole suite)
     out = sh([sys.executable, "-m", "dvc", "repro"], repo, timeout=3600)
