@@ -116,6 +116,14 @@ def grpo_figures(data: Path) -> dict:
     return out
 
 
+def print_figures(figures: dict, out: Path | None) -> None:
+    """Print ``figures`` as indented JSON (keys sorted), and write the same text to ``out`` if given."""
+    text = json.dumps(figures, indent=2, sort_keys=True)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=Path("data"))
@@ -128,10 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["clip_t"] = clip_t_figures(args.data)
     figures["judge"] = judge_figures(args.data)
     figures["grpo"] = grpo_figures(args.data)
-    text = json.dumps(figures, indent=2, sort_keys=True)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_figures(figures, args.out)
     return 0
 
 

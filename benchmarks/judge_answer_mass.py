@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import stages  # noqa: E402,F401  a stage process's set-up before numpy loads: f
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from embedded_quality import _image  # noqa: E402
+from embedded_quality import _image, print_figures  # noqa: E402
 
 from paco.core.templates import get_template, judge_instruction  # noqa: E402
 from paco.judge.model import Judge  # noqa: E402
@@ -83,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     judge = Judge.from_pretrained(args.data / "reward_merge/model")
     figures = {sub: answer_mass(judge, questions(args.data, sub)) for sub in SUBTASKS
                if (args.data / f"final_samples/{sub}/samples.parquet").exists()}
-    text = json.dumps(figures, indent=2, sort_keys=True)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_figures(figures, args.out)
     return 0
 
 
