@@ -198,8 +198,8 @@ LEARNING_CLAIMS: list[tuple[str, str, float]] = [
 #: falling 0.39 -> 0.26-0.31), Qwen-Image-Edit's training p-value (the pretrained policy: 2e-9 to
 #: 0.023 in 9 draws; the random-init one up to 0.89) and its final edits (the pretrained policy:
 #: +0.007 to +0.051, p 1e-6 to 0.066 in 9 draws with two judges on one numeric path; the
-#: random-init one -0.000 to +0.046, p up to 0.9), the judge against CLIP-I (CLIP-I ranks better) and the editing benchmark (the judge is
-#: at its zero-shot self's level).
+#: random-init one -0.000 to +0.046, p up to 0.9), the judge against CLIP-I (CLIP-I ranks
+#: better) and the editing benchmark (the judge is at its zero-shot self's level).
 
 
 @pytest.mark.parametrize("figure,op,bound", LEARNING_CLAIMS, ids=[f"{f}-{o}" for f, o, _ in LEARNING_CLAIMS])
