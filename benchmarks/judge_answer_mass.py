@@ -8,9 +8,9 @@ among them (``paco.judge.client.yes_probability``). This measures how far a judg
 failure on what the policies actually draw: it loads ``--data``'s merged judge
 (``reward_merge/model``) and asks it the reward's own questions about every final sample, base and
 LoRA (``final_samples/<subtask>/samples.parquet``): each pair of a t2is sample's panels with the
-theme-free consistency question, each edit against its input with the ``edit_sc`` and ``edit_pf``
-questions (the edit resized to the input's size, as the editing benchmark does). Per subtask it
-prints (and writes as JSON):
+theme-free consistency question (``reasons.instruction: rank``, the default's), each edit against
+its input image with the ``edit_sc`` and ``edit_pf`` questions, both images as they are, as
+``paco.grpo.rewards.editing_scores`` sends them. Per subtask it prints (and writes as JSON):
 
 * ``requests``: how many questions;
 * ``worst_answer_rank``: over the requests, the largest rank (0 = most likely) of the better-ranked
@@ -54,7 +54,6 @@ def questions(data: Path, subtask: str) -> list[tuple]:
     for _, row in samples.iterrows():
         item = items.loc[row["prompt_id"]]
         original, edited = _image(item["input_image"]), _image(row["image"])
-        edited = edited if edited.size == original.size else edited.resize(original.size)
         triples += [(original, edited, sc.format(prompt=item["instruction"])),
                     (original, edited, pf.format(prompt=item["instruction"]))]
     return triples
