@@ -338,3 +338,30 @@ def test_the_launcher_imports_no_hub_library_before_the_stage():
     out = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, check=True)
     assert out.stdout.split()[-1] == "[]"
+
+
+_EXIT_PROBE = """
+import atexit, gc, sys
+# registered first, so it runs last (atexit is last in, first out): what the teardown after it sees
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0, flush=True))
+freezes = []
+register = atexit.register
+atexit.register = lambda f, *a, **k: (freezes.append(f) if f is gc.freeze else None, register(f, *a, **k))[1]
+if sys.argv[1] == "stage":
+    from paco.core.stage import run
+    root = sys.argv[2]
+    for _ in range(2):  # a process that runs several stage bodies registers the handler once
+        assert run("t", ["--params", root + "/params.yaml"], lambda p: None, lambda a, p: {}, description="t") == 0
+print("gc.freeze handlers:", len(freezes), flush=True)
+"""
+
+
+@pytest.mark.parametrize("entry", ["stage", "bare"])
+def test_a_stage_process_freezes_its_heap_at_exit(tmp_path, params, entry):
+    """A stage process ends without the cyclic collector's walk over its heap (gc.freeze in an
+    atexit handler, paco.core.teardown): the handler is in place when the stage has run, once
+    however many stage bodies the process ran; a bare interpreter is the control."""
+    out = subprocess.run([sys.executable, "-c", _EXIT_PROBE, entry, str(tmp_path)], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    assert f"gc.freeze handlers: {int(entry == 'stage')}" in out, out
+    assert f"frozen at exit: {entry == 'stage'}" in out, out

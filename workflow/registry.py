@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from workflow.code_deps import ROOT, code_closure
+from workflow.code_deps import ROOT
 from workflow.stage import PARAMS_FILE, Dep, Member, Stage
 
 
@@ -363,7 +363,6 @@ STAGES += (
 
 # params_check validates params.yaml and checks that dvc.yaml is the rendering for it: that
 # rendering holds every stage's code closure, so every project source file is its dependency
-_ALL_CODE = sorted(set().union(*(s.code for s in STAGES)) - set(code_closure("stages/params_check.py")))
 STAGES += (
     Stage(
         name="params_check",
@@ -372,7 +371,8 @@ STAGES += (
         # DVC refuses as a dependency: the rendering changes only with the params, the registry
         # (its modules here) or the code
         whole_params_file=True,
-        deps=("workflow/registry.py", "workflow/stage.py", "workflow/code_deps.py", *_ALL_CODE),
+        deps=("workflow/registry.py", "workflow/stage.py", "workflow/code_deps.py"),
+        code_of=tuple(sorted({e for s in STAGES for e in s.entries})),
         outs=(_d("params_check", "params.json"),),
     ),
 )

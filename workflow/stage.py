@@ -140,6 +140,9 @@ class Stage:
             so a per-member dict of paths cannot be rendered): literal paths, rendered into
             ``dvc.yaml`` for the params file at hand (as :class:`Dep`), every member depending
             on all of them (``benchmark``: every self-served evaluator's model directory).
+        code_of: entry files of other stages (their :attr:`entries`) whose import closures the
+            stage reads as files, so they are its code too (``params_check``: it checks the
+            rendering of every stage's code closure in ``dvc.yaml``).
 
     ``code`` is derived, not declared: :func:`code_closure` of the stage module (``stages/<module>.py``
     and every project module it imports, transitively), so editing any module a stage runs reruns
@@ -167,14 +170,21 @@ class Stage:
     whole_params_file: bool = False
     downloads: bool = False
     config_deps: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
+    code_of: tuple[str, ...] = ()
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The files the stage's processes start from: its module, its :attr:`subprocesses` and
+        its launcher (:mod:`paco.core.launch`)."""
+        launcher = ("paco/core/launch.py",) if self.launcher == "accelerate" else ()
+        return (f"stages/{self.module or self.name}.py", *self.subprocesses, *launcher)
 
     @property
     def code(self) -> tuple[str, ...]:
-        """Project source files the stage runs (:func:`code_closure` of its module, of its
-        :attr:`subprocesses` and of its launcher, :mod:`paco.core.launch`), sorted."""
-        launcher = ("paco/core/launch.py",) if self.launcher == "accelerate" else ()
-        entries = (f"stages/{self.module or self.name}.py", *self.subprocesses, *launcher)
-        return tuple(sorted({f for e in entries for f in code_closure(e)}))
+        """Project source files the stage runs or reads (:func:`code_closure` of its
+        :attr:`entries` and of :attr:`code_of`), sorted. Computed when asked: importing the
+        registry parses no source file."""
+        return tuple(sorted({f for e in (*self.entries, *self.code_of) for f in code_closure(e)}))
 
     @property
     def cmd(self) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 from paco.core.io import ArtifactError, write_json
 from paco.core.numerics import FIXED_CPU_ISA_ENV, FIXED_THREAD_ENV, numerics_info
 from paco.core.params import Params, ParamsError, load_params
+from paco.core.teardown import freeze_heap_at_exit
 
 log = logging.getLogger("paco")
 
@@ -187,6 +188,8 @@ def run(
     ``report.json`` (a declared output, :attr:`workflow.stage.Stage.reports`, but a stage run by
     hand has no engine to remove it) is removed first, by the main process (launcher ``RANK`` 0
     or unset), before params are read: a failed run leaves no report that looks like its own.
+    The process's exit skips the garbage collector's walk over its heap
+    (:func:`paco.core.teardown.freeze_heap_at_exit`).
 
     Returns the process exit code: 0 on success, 2 for invalid params, a bad input artifact or
     an environment failure (full disk, no permission: ``OSError`` naming its file) -- one logged
@@ -203,6 +206,7 @@ def run(
     # the HTTP clients log every request at INFO (thousands per GRPO epoch): only their problems
     for noisy in ("httpx", "httpx2", "httpcore", "openai"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    freeze_heap_at_exit()
     t0 = time.perf_counter()
     try:
         _remove_previous_report(getattr(args, metrics_arg, None))

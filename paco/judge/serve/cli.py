@@ -26,6 +26,7 @@ import time
 import torch
 
 from paco.core.numerics import fix_numerics_env, loaded_too_late
+from paco.core.teardown import freeze_heap_at_exit
 from paco.judge import serve as package
 from paco.judge.serve.app import SHUTDOWN_SIGNALS, JudgeServer
 from paco.judge.serve.batching import BATCHING_MODES
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "paco.judge.serve", *argv])
     parser = argument_parser()
     args = parser.parse_args(argv)
+    freeze_heap_at_exit()  # the stage that started this server waits for its exit
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
     api_key = _api_key(args, parser)
