@@ -22,15 +22,17 @@ def test_committed_dvc_yaml_is_the_rendered_registry():
     )
 
 
-
 def test_importing_the_registry_reads_no_source_file():
     """The code closures are derived when asked (a stage process imports the registry for its own
     member): importing it parses none of the project's files; params_check's code is still every
     stage's closure, and its own."""
-    probe = ("import workflow.registry as r, workflow.code_deps as c; n = c._project_imports.cache_info().currsize; "
-             "print(n, set(r.by_name('params_check').code) == set().union(*(s.code for s in r.STAGES)))")
+    probe = ("import ast; parsed = []; parse = ast.parse\n"
+             "ast.parse = lambda *a, **k: (parsed.append(1), parse(*a, **k))[1]\n"
+             "import workflow.registry as r; n = len(parsed)\n"
+             "print(n, set(r.by_name('params_check').code) == set().union(*(s.code for s in r.STAGES)), len(parsed) > 0)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["0", "True"], out
+    assert out.split() == ["0", "True", "True"], out
+
 
 def test_every_stage_declares_existing_code_and_params_sections():
     params = yaml.safe_load((ROOT / "params.yaml").read_text())

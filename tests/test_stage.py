@@ -347,21 +347,27 @@ atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0, flus
 freezes = []
 register = atexit.register
 atexit.register = lambda f, *a, **k: (freezes.append(f) if f is gc.freeze else None, register(f, *a, **k))[1]
+root = sys.argv[2]
 if sys.argv[1] == "stage":
     from paco.core.stage import run
-    root = sys.argv[2]
     for _ in range(2):  # a process that runs several stage bodies registers the handler once
         assert run("t", ["--params", root + "/params.yaml"], lambda p: None, lambda a, p: {}, description="t") == 0
+elif sys.argv[1] == "judge server":
+    import stages  # noqa: F401  (the numeric environment a stage gives the server it starts)
+    from paco.judge.serve.cli import main
+    # no model there: the server logs why and exits 1
+    assert main(["--model", root + "/no-model", "--served-model-name", "t", "--port", "0"]) == 1
 print("gc.freeze handlers:", len(freezes), flush=True)
 """
 
 
-@pytest.mark.parametrize("entry", ["stage", "bare"])
+@pytest.mark.parametrize("entry", ["stage", "judge server", "bare"])
 def test_a_stage_process_freezes_its_heap_at_exit(tmp_path, params, entry):
-    """A stage process ends without the cyclic collector's walk over its heap (gc.freeze in an
-    atexit handler, paco.core.teardown): the handler is in place when the stage has run, once
-    however many stage bodies the process ran; a bare interpreter is the control."""
+    """A stage or judge-server process freezes its heap at exit (gc.freeze in an atexit handler,
+    paco.core.teardown), so the teardown's collections skip it: the handler is in place when the
+    stage (or the server's main) has run, once however many stage bodies the process ran, and has
+    run by the time the earlier-registered handlers run; a bare interpreter is the control."""
     out = subprocess.run([sys.executable, "-c", _EXIT_PROBE, entry, str(tmp_path)], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
-    assert f"gc.freeze handlers: {int(entry == 'stage')}" in out, out
-    assert f"frozen at exit: {entry == 'stage'}" in out, out
+    assert f"gc.freeze handlers: {int(entry != 'bare')}" in out, out
+    assert f"frozen at exit: {entry != 'bare'}" in out, out

@@ -144,9 +144,10 @@ class Stage:
             stage reads as files, so they are its code too (``params_check``: it checks the
             rendering of every stage's code closure in ``dvc.yaml``).
 
-    ``code`` is derived, not declared: :func:`code_closure` of the stage module (``stages/<module>.py``
-    and every project module it imports, transitively), so editing any module a stage runs reruns
-    it in both engines and changes its run identity.
+    ``code`` is derived, not declared: :func:`code_closure` of the stage's :attr:`entries` (its module
+    ``stages/<module>.py``, its subprocesses and its launcher, and every project module they import,
+    transitively) and of its :attr:`code_of`, so editing any module a stage runs reruns it in both
+    engines and changes its run identity.
     """
 
     name: str

@@ -21,9 +21,13 @@ def freeze_heap_at_exit() -> None:
 
     Registers (once per process) an ``atexit`` handler that calls :func:`gc.freeze`, which moves
     every object into the permanent generation the collector skips. Objects are still released by
-    reference counting; only reference cycles left at exit go uncollected, memory the process is
-    about to return. Outputs are written, closed and renamed before a stage returns, so nothing a
-    stage writes depends on it. In a test process it takes effect when that process exits.
+    reference counting, but an object in a reference cycle left at exit is never finalized (no
+    ``__del__``, weakref callback, buffered flush or socket close), and module globals are cleared
+    before what finalizers remain run. So no cleanup may rely on collection at exit: outputs are
+    written, closed and renamed before a stage returns, a stage stops its judge server and removes
+    its temporary directories itself, and ``weakref.finalize``, logging, thread pools and
+    multiprocessing clean up through ``atexit`` hooks of their own, which run either way. In a test
+    process it takes effect when that process exits.
     """
     global _registered
     if not _registered:

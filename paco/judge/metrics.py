@@ -161,9 +161,11 @@ def _stat(result: Any) -> float:
     return float(result.statistic)
 
 
-# Both statistics are asked of position lists of a few candidates (4 in ConsistencyRank-Bench: at
-# most 24 x 24 distinct pairs), thousands of times per evaluation (reward_eval: 11,424 calls, about
-# 0.4 ms each in scipy): each distinct pair is computed by scipy once per process.
+# Both statistics are asked of lists of candidate indices or positions of a few candidates (4 in
+# ConsistencyRank-Bench: at most 24 x 24 distinct pairs of permutations of 0..3), thousands of
+# times per evaluation (reward_eval: 11,424 calls, about 0.4 ms each in scipy): each distinct pair
+# is computed by scipy once per process (lists that compare equal hold equal numbers, so equal
+# ranks and the same statistic).
 @functools.lru_cache(maxsize=1 << 14)
 def _kendall_of(x: tuple, y: tuple) -> float:
     return _stat(stats.kendalltau(x, y))
