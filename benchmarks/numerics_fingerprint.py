@@ -1,12 +1,12 @@
-"""Where two hosts' bytes part: hashes of the numeric kernels, of one judge training step module by
-module, and of a repro's artifacts, recorded on one host and compared on another.
+"""Where two hosts' bytes part: hashes of the numeric kernels, of a judge training step and a policy
+sample module by module, and of a repro's artifacts, recorded on one host and compared on another.
 
     python benchmarks/numerics_fingerprint.py --out host.json [--data data] [--compare other.json]
 
 Every stage pins the CPU code paths (:mod:`paco.core.numerics`) so that a run's bytes should not
 depend on the host; this script checks that claim piece by piece. It runs in a stage process's
-numerics (``import stages`` first) with the stages' 2 torch threads (``--threads``) and writes a
-JSON of SHA-256 prefixes (16 hex digits) in three sections:
+numerics (``import stages`` first) with the stages' 2 torch threads (``--threads``; the same thread count on both hosts) and writes a
+JSON of SHA-256 prefixes (16 hex digits) in four sections:
 
 * ``kernels``: each library kernel the stages run, at the tiny models' sizes, on inputs drawn
   from fixed seeds: MKL's GEMM (``linear`` / ``bmm`` forward and backward, aligned and unaligned
@@ -19,6 +19,9 @@ JSON of SHA-256 prefixes (16 hex digits) in three sections:
   training rows (their augmented views of epoch 0): every module's output in forward order, the
   loss, every LoRA gradient and every LoRA weight after each AdamW step. The first entry that
   differs between two hosts is the first kernel whose bytes the host changed;
+* ``policy_step`` (with ``--data``: ``models/<grpo.t2is.policy>``, ``prompts/prompts.parquet``):
+  the t2is policy as ``grpo@t2is`` runs it, every transformer and VAE module output of a
+  sampled trajectory and its decode, the log-probs and one transition's LoRA gradients;
 * ``artifacts`` (with ``--data``): every file a repro wrote under ``--data`` except logs,
   ``report.json`` (timings) and ``checkpoints/`` (persisted state; ``rng-*.pt`` holds global
   generator states no draw uses).
@@ -278,24 +281,7 @@ def judge_step(data: Path, steps: int = 2) -> dict[str, str]:
     rows = load_sft_rows(data / "reasons" / "sft.parquet", "train")
     out: dict[str, str] = {}
     step = [0]
-    calls: dict[str, int] = {}
-
-    def hook(name: str):
-        def fn(_module, _inputs, output):
-            first = output
-            while not isinstance(first, torch.Tensor):
-                if isinstance(first, (tuple, list)) and first:
-                    first = first[0]
-                elif hasattr(first, "to_tuple") and first.to_tuple():
-                    first = first.to_tuple()[0]
-                else:
-                    return
-            key = f"step{step[0]}.fwd.{name or 'model'}"
-            calls[key] = calls.get(key, 0) + 1
-            out[f"{key}#{calls[key]}"] = digest(first)
-        return fn
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
+    handles = _hook_outputs(model, out, lambda: f"step{step[0]}.fwd")
     try:
         for s in range(steps):
             step[0] = s
@@ -314,6 +300,79 @@ def judge_step(data: Path, steps: int = 2) -> dict[str, str]:
             opt.zero_grad(set_to_none=True)
             for n, p in params:
                 out[f"step{s}.weight.{n}"] = digest(p)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def _hook_outputs(model: torch.nn.Module, out: dict[str, str], prefix: Callable[[], str]) -> list:
+    """Forward hooks recording every module's first output tensor under ``prefix()`` + its name
+    (``#k``: its k-th call in that prefix), in call order; returns the handles."""
+    calls: dict[str, int] = {}
+
+    def hook(name: str):
+        def fn(_module, _inputs, output):
+            first = output
+            while not isinstance(first, torch.Tensor):
+                if isinstance(first, (tuple, list)) and first:
+                    first = first[0]
+                elif hasattr(first, "to_tuple") and first.to_tuple():
+                    first = first.to_tuple()[0]
+                elif hasattr(first, "sample"):
+                    first = first.sample
+                else:
+                    return
+            key = f"{prefix()}.{name or 'model'}"
+            calls[key] = calls.get(key, 0) + 1
+            out[f"{key}#{calls[key]}"] = digest(first)
+        return fn
+
+    return [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
+
+
+def policy_step(data: Path) -> dict[str, str]:
+    """Hashes of the t2is policy as ``grpo@t2is`` runs it (``params.yaml``'s ``grpo.t2is``: its
+    LoRA, rollout settings and training resolution; the first two train prompts, one trajectory
+    each from fixed generators): every transformer and VAE module output of a sampled trajectory
+    (its SDE steps as the rollout takes them) and of its decode, the log-probs, then one
+    transition's log-prob with gradients: each LoRA gradient."""
+    import pandas as pd
+
+    from paco.core.params import load_params
+    from paco.grpo.policies import TRAINED_ADAPTER, load_policy
+    from paco.grpo.rewards import subtask_items
+
+    cfg = load_params(ROOT / "params.yaml").grpo["t2is"]
+    policy = load_policy(cfg.family, data / "models" / cfg.policy, cfg.lora, cfg.rollout, seed=0)
+    _, items = subtask_items(pd.read_parquet(data / "prompts" / "prompts.parquet"), cfg.dataset)
+    prompts = [items[k] for k in sorted(items)[:2]]
+    side = int(cfg.train.resolution)
+    out: dict[str, str] = {}
+    phase = ["sample"]
+    handles = [*_hook_outputs(policy.pipe.transformer, out, lambda: f"{phase[0]}.transformer"),
+               *_hook_outputs(policy.pipe.vae, out, lambda: f"{phase[0]}.vae")]
+    try:
+        with torch.no_grad():
+            cond = policy.condition(prompts, side, side)
+            gens = [torch.Generator().manual_seed(7 + i) for i in range(len(prompts))]
+            roll = policy.generate(cond, height=side, width=side, num_steps=cfg.rollout.num_steps,
+                                   noise_level=cfg.rollout.noise_level, sde_indices=cfg.rollout.sde_indices,
+                                   noise_generators=gens, sigma_max=cfg.rollout.sigma_max)
+            out["sample.log_probs"] = digest(roll.log_probs)
+            phase[0] = "decode"
+            images = policy.decode(roll.final_latents, side, side)
+            out["decode.images"] = digest(b"".join(im.tobytes() for im in images))
+        phase[0] = "train"
+        j = roll.sde_indices[0]
+        with policy.using(TRAINED_ADAPTER):
+            logp, _, _ = policy.transition_log_prob(
+                roll.latents[:, 0, 0], roll.latents[:, 0, 1], roll.sigmas[j], roll.sigmas[j + 1],
+                roll.timesteps[j], cond, cfg.rollout.noise_level, cfg.rollout.sigma_max)
+        out["train.log_prob"] = digest(logp)
+        logp.sum().backward()
+        for name, p in policy.adapter_parameters(TRAINED_ADAPTER).items():
+            out[f"train.grad.{name}"] = digest(p.grad)
     finally:
         for h in handles:
             h.remove()
@@ -342,7 +401,7 @@ def compare(mine: dict, theirs: dict, show: int = 8) -> None:
     versions = {k: (v, theirs["host"]["versions"].get(k)) for k, v in mine["host"]["versions"].items()
                 if v != theirs["host"]["versions"].get(k)}
     print(f"library versions that differ: {versions or 'none'}")
-    for section in ("kernels", "judge_step", "artifacts"):
+    for section in ("kernels", "judge_step", "policy_step", "artifacts"):
         a, b = mine.get(section) or {}, theirs.get(section) or {}
         shared = [k for k in a if k in b]
         differ = [k for k in shared if a[k] != b[k]]
@@ -364,11 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     record = {"host": host(), "kernels": kernels()}
     if args.data is not None:
+        record["host"]["data_commit"] = subprocess.run(
+            ["git", "-C", str(args.data.resolve().parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+            text=True).stdout.strip() or None  # the tree whose repro wrote --data
         record["judge_step"] = judge_step(args.data)
+        record["policy_step"] = policy_step(args.data)
         record["artifacts"] = artifacts(args.data)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"{args.out}: {len(record['kernels'])} kernels, {len(record.get('judge_step', {}))} judge-step entries, "
+    print(f"{args.out}: {len(record['kernels'])} kernels, {len(record.get('judge_step', {}))} judge-step and "
+          f"{len(record.get('policy_step', {}))} policy-step entries, "
           f"{len(record.get('artifacts', {}))} artifacts; {record['host']['cpu']}")
     if args.compare is not None:
         compare(record, json.loads(args.compare.read_text()))
