@@ -12,12 +12,14 @@ JSON of SHA-256 prefixes (16 hex digits) in four sections:
   from fixed seeds: MKL's GEMM (``linear`` / ``bmm`` forward and backward, aligned and unaligned
   operands), oneDNN's (the judge's 3-D patch convolution, GELU), torch's own (2-D convolution and
   its transpose, softmax, norms, attention forward and backward, transcendental functions,
-  reductions, interpolation, AdamW, the CPU generator), numpy's and OpenBLAS's, scipy's, Pillow's
-  and scikit-image's;
+  reductions, interpolation, AdamW for-each and fused, the CPU generator), MKL's vector math
+  (``torch.sqrt``) beside :func:`paco.core.host_independent.sqrt`, numpy's and OpenBLAS's, scipy's,
+  Pillow's and scikit-image's;
 * ``judge_step`` (with ``--data``: ``models/judge_base``, ``reasons/sft.parquet`` and
   ``params.yaml``'s ``reward_train``): two LoRA training steps of ``reward_train`` on its first
   training rows (their augmented views of epoch 0): every module's output in forward order, the
-  loss, every LoRA gradient and every LoRA weight after each AdamW step. The first entry that
+  loss, every LoRA gradient and every LoRA weight after each step of the trainers' AdamW
+  (:func:`paco.core.host_independent.adamw`). The first entry that
   differs between two hosts is the first kernel whose bytes the host changed;
 * ``policy_step`` (with ``--data``: ``models/<grpo.t2is.policy>``, ``prompts/prompts.parquet``):
   the t2is policy as ``grpo@t2is`` runs it, every transformer and VAE module output of a
@@ -51,6 +53,8 @@ import stages  # noqa: E402,F401  a stage process's set-up before numpy loads: f
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from paco.core import host_independent  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("torch", "transformers", "diffusers", "peft", "accelerate", "numpy", "scipy", "pillow",
@@ -217,6 +221,20 @@ def _torch_kernels(put: Callable[[str, Callable[[], object]], None]) -> None:
 
     put("torch.adamw[512x128x3]", adamw)
 
+    def fused_adamw():  # the trainers' optimizer
+        p = _randn(512, 128, seed=80, grad=True)
+        opt = host_independent.adamw([p], lr=1e-3, weight_decay=0.01)
+        for i in range(3):
+            p.grad = _randn(512, 128, seed=81 + i)
+            opt.step()
+        return p
+
+    put("torch.adamw_fused[512x128x3]", fused_adamw)
+    y = _randn(512, 128, seed=84).abs() + 0.1
+    put("mkl_vml.sqrt[512x128]", lambda: torch.sqrt(y))
+    put("host_independent.sqrt[512x128]", lambda: host_independent.sqrt(y))
+    put("torch.std_norm[16x64]", lambda: torch.stack([y[:16, :64].std(dim=1), torch.linalg.vector_norm(y[:16, :64], dim=1)]))
+
 
 def _array_kernels(put: Callable[[str, Callable[[], object]], None]) -> None:
     rng = np.random.default_rng(0)
@@ -277,7 +295,7 @@ def judge_step(data: Path, steps: int = 2) -> dict[str, str]:
     model = apply_lora(model, cfg.lora)
     model.train()
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([p for _, p in params], lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    opt = host_independent.adamw([p for _, p in params], lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     rows = load_sft_rows(data / "reasons" / "sft.parquet", "train")
     out: dict[str, str] = {}
     step = [0]

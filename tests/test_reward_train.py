@@ -659,3 +659,26 @@ def test_augment_crop_scale_is_validated():
 
     with pytest.raises(ValidationError, match="crop_scale"):
         PairAugmentParams(enabled=True, crop_scale=(0.9, 0.5))
+
+
+def test_the_optimizer_is_torchs_fused_adamw_over_the_lora_weights(tiny_model_dirs, tmp_path):
+    """reward_train steps with torch's fused AdamW (paco.core.host_independent.adamw): the for-each
+    step's CPU square root (MKL's vector math) rounds differently on other CPUs, which made two
+    hosts train two judges; the fused kernel's is exact."""
+    from paco.core.run_identity import params_identity
+    from paco.judge import training as T
+    from workflow.registry import member
+
+    cfg = _cfg(batch_size=4)
+    identity = params_identity(member("reward_train"), {"reward_train": cfg.model_dump(mode="json")})
+    run = T.setup(cfg, make_sft_table(8, 4), tiny_model_dirs["judge_base"], identity,
+                  accelerator=T.make_accelerator(cfg), checkpoints_dir=tmp_path / "ck", plots_dir=None)
+    try:
+        inner = getattr(run.optimizer, "optimizer", run.optimizer)  # accelerate's wrapper
+        assert isinstance(inner, torch.optim.AdamW) and inner.defaults["fused"] is True
+        assert inner.defaults["lr"] == cfg.learning_rate and inner.defaults["weight_decay"] == cfg.weight_decay
+        optimized = [p for group in inner.param_groups for p in group["params"]]
+        assert {id(p) for p in optimized} == {id(p) for p in run.lora_params}
+    finally:
+        for h in run.hooks:
+            h.remove()

@@ -149,3 +149,24 @@ def test_flux_shift_interpolates_mu_and_shifts_sigmas():
     assert float(sigmas[-1]) == 0.0 and sigmas.shape == (n + 1,)
     assert torch.all(sigmas[1:] < sigmas[:-1])
     np.testing.assert_allclose(timesteps.numpy(), 1000 * sigmas[:-1].numpy(), rtol=1e-6)
+
+
+def test_the_standard_deviation_is_the_correctly_rounded_float32_computation():
+    """std = sqrt(s / (1 - s)) * a * sqrt(-dt), each operation rounded once to float32 as IEEE 754
+    prescribes (replayed in numpy float32): the same bytes on every host. ``torch.sqrt`` of a
+    float32 CPU tensor (MKL's vector math) is one unit in the last place off for about 1 in 6
+    inputs and rounds differently on other CPUs (paco.core.host_independent)."""
+    rng = np.random.default_rng(3)
+    n = 512
+    sigma = rng.uniform(0.05, 0.95, n).astype(np.float32)
+    sigma_next = (sigma * rng.uniform(0.0, 0.95, n)).astype(np.float32)
+    a = rng.uniform(0.1, 1.0, n).astype(np.float32)
+    z = torch.zeros(n, 2, 3)
+    _, _, _, std = sde_step(z, z, torch.from_numpy(sigma), torch.from_numpy(sigma_next), torch.from_numpy(a),
+                            next_latents=z)
+    f = np.float32
+    dt = sigma_next - sigma
+    std_t = np.sqrt(sigma / (f(1) - sigma)) * a
+    want = std_t * np.sqrt(-dt)
+    assert want.dtype == np.float32
+    assert np.array_equal(std.flatten().numpy().view(np.uint32), want.view(np.uint32))

@@ -38,6 +38,8 @@ from typing import Any, Literal
 
 import torch
 
+from paco.core import host_independent
+
 #: ``log(sqrt(2 pi))``, the Gaussian normaliser per element.
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -118,9 +120,9 @@ def sde_step(
     dt = s_next - s  # negative
     at_one = s_next if from_schedule else torch.full_like(s, float(sigma_max))
     denom = 1 - torch.where(s == 1, at_one, s)
-    std_t = torch.sqrt(s / denom) * a
+    std_t = host_independent.sqrt(s / denom) * a  # correctly rounded: torch.sqrt's CPU bytes depend on the host
     mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
-    std = std_t * torch.sqrt(-dt)
+    std = std_t * host_independent.sqrt(-dt)
     deterministic = (std == 0).reshape(-1)
 
     if next_latents is None:

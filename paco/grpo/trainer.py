@@ -79,6 +79,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from paco.core import host_independent
 from paco.core.distributed import gather_objects, sum_gradients, wait_for_everyone
 from paco.core.params import GrpoSubtaskParams, ParamsError
 from paco.core.run_identity import RunIdentity, launch_parts
@@ -303,8 +304,8 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
     t = cfg.train
     if t.gradient_checkpointing:  # memory for compute: the block activations are recomputed in the backward
         policy.enable_gradient_checkpointing()
-    optimizer = torch.optim.AdamW(list(trained.values()), lr=t.learning_rate, betas=t.adam_betas, eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
+    optimizer = host_independent.adamw(list(trained.values()), lr=t.learning_rate, betas=t.adam_betas,
+                                       eps=t.adam_eps, weight_decay=t.weight_decay)
     ema = LoraEMA(trained, t.ema.decay, warmup=t.ema.warmup, update_every=t.ema.update_every) if t.ema.enabled else None
     run = GrpoRun(
         cfg=cfg, ctx=ctx, identity=identity, accelerator=accelerator, rank=rank, world=world, device=device,

@@ -73,7 +73,7 @@ import pandas as pd
 import torch
 
 from paco.core import checkpoints as ckpt
-from paco.core import distributed
+from paco.core import distributed, host_independent
 from paco.core.params import RewardTrainParams
 from paco.core.run_identity import RunIdentity, launch_parts
 from paco.core.stage import cpu_threads_per_process
@@ -264,7 +264,7 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
                  cfg.epochs, warmup_steps, torch.get_num_threads(), accelerator.device)
     model.train()
     lora_params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(lora_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = host_independent.adamw(lora_params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     sched_name = "constant_with_warmup" if (cfg.lr_scheduler == "constant" and warmup_steps) else cfg.lr_scheduler
     scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
     ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
