@@ -32,9 +32,10 @@ Why each variable (measured on the embedded default, torch 2.13, numpy 2.4):
     block sizes are chosen per CPU model (SkylakeX, Zen, Haswell, ...).
 
   With these variables every x86-64 CPU that has AVX2 and FMA, Intel or AMD, runs the same paths
-  (AVX2, MKL's ``COMPATIBLE``). That has not yet made two hosts' bytes equal: an AMD EPYC and an
-  Intel Xeon trained different judges from the same tree and library versions
-  (docs/numerics.md; ``benchmarks/numerics_fingerprint.py`` names where two hosts part). The variables
+  (AVX2, MKL's ``COMPATIBLE``). One kernel still rounds by the CPU on those paths: ``torch.sqrt``
+  of float32 CPU tensors (MKL's vector math), which made an AMD EPYC and an Intel Xeon train two
+  judges; the trainers avoid it (:mod:`paco.core.host_independent`; docs/numerics.md,
+  ``benchmarks/numerics_fingerprint.py``). The variables
   only touch CPU kernels (a GPU run is unaffected) and are defaults: a variable already set is kept
   (so a user can opt out, e.g. ``NPY_DISABLE_CPU_FEATURES=`` runs numpy's AVX-512 paths,
   ``MKL_CBWR=AUTO`` MKL's fastest), and what a process ran with is in each stage's
