@@ -1,7 +1,9 @@
 """Where two hosts' bytes part: hashes of the numeric kernels, of a judge training step and a policy
 sample module by module, and of a repro's artifacts, recorded on one host and compared on another.
 
+    PACO_NUM_THREADS=2 dvc repro     # for --data: the record's thread count on any number of cores
     python benchmarks/numerics_fingerprint.py --out host.json [--data data] [--compare other.json]
+        [--label NAME]
 
 Every stage pins the CPU code paths (:mod:`paco.core.numerics`) so that a run's bytes should not
 depend on the host; this script checks that claim piece by piece. It runs in a stage process's
@@ -79,9 +81,21 @@ def digest(x) -> str:
     return hashlib.sha256(head + b"|" + body).hexdigest()[:16]
 
 
-def host() -> dict:
-    """The CPU (``/proc/cpuinfo``'s first processor), its code-path flags, the library versions and
-    the numerics variables this process runs with."""
+def _git_commit(where: Path) -> str | None:
+    """``git rev-parse --short HEAD`` in ``where``, or ``None`` (no git, not a checkout)."""
+    try:
+        done = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def host(label: str | None = None) -> dict:
+    """The CPU (``/proc/cpuinfo``'s first processor, which under ``qemu-user`` is the real host's:
+    ``cpuid_features`` are what the process itself sees, as numpy's dispatcher reads them from
+    CPUID, so an emulated CPU shows there), its code-path flags, the library versions and the
+    numerics variables this process runs with."""
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -98,11 +112,13 @@ def host() -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
+    from numpy._core._multiarray_umath import __cpu_features__ as cpuid
+
     from paco.core.numerics import FIXED_CPU_ISA_ENV, FIXED_THREAD_ENV
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or None
-    return {"commit": commit, "cpu": info.get("model name", platform.processor()), "vendor": info.get("vendor_id"),
+    seen = sorted(k for k in ("AVX2", "FMA3", "F16C", "AVX512F", "AVX512BW", "AVX512_SPR", "AVX512_ICL") if cpuid.get(k))
+    return {"label": label, "commit": _git_commit(ROOT), "cpuid_features": seen,
+            "cpu": info.get("model name", platform.processor()), "vendor": info.get("vendor_id"),
             "family_model_stepping": [info.get("cpu family"), info.get("model"), info.get("stepping")],
             "cache_size": info.get("cache size"), "cores": os.cpu_count(),
             "flags": sorted(f for f in FLAGS if f in flags), "python": platform.python_version(),
@@ -177,9 +193,9 @@ def _torch_kernels(put: Callable[[str, Callable[[], object]], None]) -> None:
         y.backward(_randn(*y.shape, seed=42))
         return y, x.grad, w.grad
 
-    put("torch.conv2d3x3[1x32x64x64]", conv2d)
-    put("torch.conv2d1x1[1x64x32x32]", lambda: F.conv2d(_randn(1, 64, 32, 32, seed=43), _randn(16, 64, 1, 1, seed=44)))
-    put("torch.conv_transpose2d[1x16x16x16]",
+    put("onednn.conv2d3x3[1x32x64x64]", conv2d)  # oneDNN's brgemm convolution, as the VAEs' (ONEDNN_VERBOSE)
+    put("onednn.conv2d1x1[1x64x32x32]", lambda: F.conv2d(_randn(1, 64, 32, 32, seed=43), _randn(16, 64, 1, 1, seed=44)))
+    put("onednn.conv_transpose2d[1x16x16x16]",
         lambda: F.conv_transpose2d(_randn(1, 16, 16, 16, seed=45), _randn(16, 8, 4, 4, seed=46), stride=2, padding=1))
     put("torch.softmax[8x4x200x200]", lambda: torch.softmax(_randn(8, 4, 200, 200, seed=50), -1))
     put("torch.log_softmax[24x4096]", lambda: torch.log_softmax(_randn(24, 4096, seed=51), -1))
@@ -276,10 +292,13 @@ def _array_kernels(put: Callable[[str, Callable[[], object]], None]) -> None:
     put("skimage.ssim[96x128]", lambda: np.array([structural_similarity(g, np.roll(g, 3, axis=1), data_range=1.0)]))
 
 
-def judge_step(data: Path, steps: int = 2) -> dict[str, str]:
-    """Hashes of ``steps`` LoRA training steps of the judge as ``reward_train`` takes them (its
-    params, LoRA, AdamW, first-token-weighted loss, first rows and their epoch-0 views): every
-    module's output (forward hooks, in call order), the loss, each LoRA gradient and weight."""
+def judge_step(data: Path, params_file: Path, steps: int = 2) -> dict[str, str]:
+    """Hashes of ``steps`` LoRA training steps of the judge with ``reward_train``'s params (LoRA,
+    first-token-weighted loss, gradient clipping, the trainers' AdamW) on the first training rows
+    in file order and their epoch-0 views, at the configured rate from the first step (no warm-up,
+    whose first rate is 0 and would leave the weights as they were): every module's output
+    (forward hooks, in call order), the loss, each LoRA gradient before and after clipping, the
+    gradient norm and each LoRA weight."""
     from paco.core.params import load_params
     from paco.judge.lora import apply_lora
     from paco.judge.losses import first_token_weighted_loss
@@ -288,7 +307,7 @@ def judge_step(data: Path, steps: int = 2) -> dict[str, str]:
     from paco.judge.training import _forward
     from paco.models.loading import load_judge
 
-    cfg = load_params(ROOT / "params.yaml").reward_train
+    cfg = load_params(params_file).reward_train
     torch.manual_seed(cfg.seed)
     model, processor = load_judge(data / "models" / "judge_base")
     answer = check_answer_tokens(processor.tokenizer)
@@ -314,6 +333,9 @@ def judge_step(data: Path, steps: int = 2) -> dict[str, str]:
             loss.backward()
             for n, p in params:
                 out[f"step{s}.grad.{n}"] = digest(p.grad)
+            out[f"step{s}.grad_norm"] = digest(torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.max_grad_norm))
+            for n, p in params:
+                out[f"step{s}.clipped.{n}"] = digest(p.grad)
             opt.step()
             opt.zero_grad(set_to_none=True)
             for n, p in params:
@@ -349,7 +371,7 @@ def _hook_outputs(model: torch.nn.Module, out: dict[str, str], prefix: Callable[
     return [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
 
 
-def policy_step(data: Path) -> dict[str, str]:
+def policy_step(data: Path, params_file: Path) -> dict[str, str]:
     """Hashes of the t2is policy as ``grpo@t2is`` runs it (``params.yaml``'s ``grpo.t2is``: its
     LoRA, rollout settings and training resolution; the first two train prompts, one trajectory
     each from fixed generators): every transformer and VAE module output of a sampled trajectory
@@ -361,7 +383,7 @@ def policy_step(data: Path) -> dict[str, str]:
     from paco.grpo.policies import TRAINED_ADAPTER, load_policy
     from paco.grpo.rewards import subtask_items
 
-    cfg = load_params(ROOT / "params.yaml").grpo["t2is"]
+    cfg = load_params(params_file).grpo["t2is"]
     policy = load_policy(cfg.family, data / "models" / cfg.policy, cfg.lora, cfg.rollout, seed=0)
     _, items = subtask_items(pd.read_parquet(data / "prompts" / "prompts.parquet"), cfg.dataset)
     prompts = [items[k] for k in sorted(items)[:2]]
@@ -397,6 +419,19 @@ def policy_step(data: Path) -> dict[str, str]:
     return out
 
 
+def repro_threads(data: Path) -> dict[str, object]:
+    """Each stage's torch threads per process, from its ``report.json`` (``run.threads.torch``):
+    a repro's bytes depend on them (``PACO_NUM_THREADS``, else cores / processes)."""
+    out: dict[str, object] = {}
+    for path in sorted(data.rglob("report.json")):
+        try:
+            run = json.loads(path.read_text()).get("run") or {}
+        except (OSError, ValueError):
+            continue
+        out[str(path.parent.relative_to(data))] = (run.get("threads") or {}).get("torch")
+    return out
+
+
 def artifacts(data: Path) -> dict[str, str]:
     """SHA-256 prefix of every file under ``data`` a repro wrote, except logs, timings and
     persisted state, keyed by its path under ``data``."""
@@ -414,8 +449,13 @@ def artifacts(data: Path) -> dict[str, str]:
 
 def compare(mine: dict, theirs: dict, show: int = 8) -> None:
     """Print, per section, how many shared entries match and the first ``show`` that differ."""
-    print(f"this host:  {mine['host']['cpu']} {mine['host']['flags']}")
-    print(f"other host: {theirs['host']['cpu']} {theirs['host']['flags']}")
+    for who, rec in (("this host: ", mine), ("other host:", theirs)):
+        h = rec["host"]
+        print(f"{who} {h.get('label') or h['cpu']}; CPUID {h.get('cpuid_features')}; /proc/cpuinfo {h['flags']}")
+    threads = {k: (v, theirs.get("repro_threads", {}).get(k)) for k, v in (mine.get("repro_threads") or {}).items()
+               if k in (theirs.get("repro_threads") or {}) and v != theirs["repro_threads"][k]}
+    if threads:
+        print(f"WARNING: the repros ran other torch thread counts, so every artifact after them differs: {threads}")
     versions = {k: (v, theirs["host"]["versions"].get(k)) for k, v in mine["host"]["versions"].items()
                 if v != theirs["host"]["versions"].get(k)}
     print(f"library versions that differ: {versions or 'none'}")
@@ -437,18 +477,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=None, help="a repro's data directory: judge_step and artifacts")
     p.add_argument("--compare", type=Path, default=None, help="another host's JSON to compare with")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the stages' 2 on 2 cores)")
+    p.add_argument("--label", default=None, help="a name for this host in the record (e.g. 'emulated EPYC-Rome')")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    record = {"host": host(), "kernels": kernels()}
     if args.data is not None:
-        record["host"]["data_commit"] = subprocess.run(
-            ["git", "-C", str(args.data.resolve().parent), "rev-parse", "--short", "HEAD"], capture_output=True,
-            text=True).stdout.strip() or None  # the tree whose repro wrote --data
-        record["judge_step"] = judge_step(args.data)
-        record["policy_step"] = policy_step(args.data)
-        record["artifacts"] = artifacts(args.data)
+        tree = args.data.resolve().parent  # the checkout whose repro wrote --data, and its params
+        params_file = tree / "params.yaml" if (tree / "params.yaml").is_file() else ROOT / "params.yaml"
+        from paco.core.params import load_params
+
+        policy = load_params(params_file).grpo["t2is"].policy
+        needed = [args.data / "models" / "judge_base", args.data / "reasons" / "sft.parquet",
+                  args.data / "models" / policy, args.data / "prompts" / "prompts.parquet"]
+        missing = [str(n) for n in needed if not n.exists()]
+        if missing:
+            p.error(f"--data {args.data} lacks {missing}: run dvc repro first (or leave --data out for the kernels)")
+    torch.set_num_threads(args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+    def save(record: dict) -> None:  # after every section: an emulated run is slow
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+    record = {"host": host(args.label), "kernels": kernels()}
+    save(record)
+    if args.data is not None:
+        record["host"]["data_commit"] = _git_commit(tree)
+        record["host"]["params_file"] = "the data's checkout" if params_file.parent == tree else "this checkout's"
+        record["judge_step"] = judge_step(args.data, params_file)
+        save(record)
+        record["policy_step"] = policy_step(args.data, params_file)
+        save(record)
+        record["repro_threads"] = repro_threads(args.data)
+        record["artifacts"] = artifacts(args.data)
+        save(record)
     print(f"{args.out}: {len(record['kernels'])} kernels, {len(record.get('judge_step', {}))} judge-step and "
           f"{len(record.get('policy_step', {}))} policy-step entries, "
           f"{len(record.get('artifacts', {}))} artifacts; {record['host']['cpu']}")

@@ -6,8 +6,8 @@ Found with ``benchmarks/numerics_fingerprint.py`` under QEMU's emulated AMD EPYC
 Intel Xeon (docs/numerics.md): ``torch.sqrt`` of a float32 CPU tensor goes through MKL's vector
 math (VML) and is not correctly rounded on MKL's ``COMPATIBLE`` branch (10,774 of 65,536 random
 inputs one unit in the last place off, torch 2.13), and the emulated AMD CPU rounded other
-elements (9,952 off, other bytes), as an approximate reciprocal square root refined by Newton's
-method would: its first estimate is the CPU's own. ``exp``, ``log``, ``tanh``, ``erf``, ``sin``,
+elements (9,952 off, other bytes): consistent with an approximate reciprocal square root refined
+by Newton's method, whose first estimate is each CPU's own (not checked in MKL's code). ``exp``, ``log``, ``tanh``, ``erf``, ``sin``,
 ``cos``, ``pow``, ``rsqrt``, the GEMMs and the convolutions gave the same bytes on both.
 ``torch.optim.AdamW``'s default (for-each) step takes that ``sqrt`` of its second moment; its
 fused CPU kernel (ATen's own, vectorised) takes the exact one.
@@ -22,27 +22,30 @@ import torch
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded square root of ``x``, elementwise, in ``x``'s dtype and device, with
-    autograd: ``sqrt`` in float64, then rounded to float32 / bfloat16 / float16 (a float64 input
-    stays float64). IEEE 754 makes a correctly rounded result unique, so it is the same on every
-    host; ``torch.sqrt`` of a float32 CPU tensor is not (module docstring).
+    """The correctly rounded square root of a float32, bfloat16 or float16 tensor, elementwise, in
+    its dtype and device, with autograd: ``torch.sqrt`` in float64, rounded once to ``x``'s dtype.
+    IEEE 754 makes a correctly rounded result unique, so it is the same on every host;
+    ``torch.sqrt`` of a float32 CPU tensor is not (module docstring).
 
-    Rounding twice is innocuous here: float64 carries more than twice float32's 24 significand
-    bits plus two, the condition under which rounding a correctly rounded float64 square root to
-    float32 gives the correctly rounded float32 one (Figueroa, "When is double rounding
-    innocuous?", 1995). ``tests/test_host_independent.py`` checks it against numpy's (the SSE2
-    ``sqrtpd`` instruction) on a million inputs.
+    Why rounding the float64 root is exact although torch's float64 CPU ``sqrt`` is MKL's vector
+    math too, and not always correctly rounded itself (about 1.4 % of random float64 inputs are one
+    unit in the last place off): the square root of a float32 is never a float32 rounding
+    midpoint, and it lies at least about 2**-50 (relative) away from every midpoint, while the
+    float64 root is within a few float64 units (2**-52 relative) of the true one, so both round to
+    the same float32. ``tests/test_host_independent.py`` checks it against numpy's (the SSE
+    ``sqrtps`` / ``sqrtpd`` instructions, which IEEE 754 makes exact) on a million float32 inputs
+    and on every float16 and bfloat16.
 
     Args:
-        x: a floating-point tensor of any shape; negative elements give NaN, as ``torch.sqrt``.
+        x: a float32, bfloat16 or float16 tensor of any shape; negative elements give NaN, as
+            ``torch.sqrt``.
 
     Raises:
-        TypeError: an integer or complex tensor.
+        TypeError: any other dtype (float64 has no wider type to round from here; integer and
+            complex tensors have no such square root).
     """
-    if not x.is_floating_point():
-        raise TypeError(f"sqrt takes a real floating-point tensor, got {x.dtype}")
-    if x.dtype == torch.float64:
-        return torch.sqrt(x)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"sqrt takes a float32, bfloat16 or float16 tensor, got {x.dtype}")
     return torch.sqrt(x.double()).to(x.dtype)
 
 

@@ -33,7 +33,7 @@ Why each variable (measured on the embedded default, torch 2.13, numpy 2.4):
 
   With these variables every x86-64 CPU that has AVX2 and FMA, Intel or AMD, runs the same paths
   (AVX2, MKL's ``COMPATIBLE``). One kernel still rounds by the CPU on those paths: ``torch.sqrt``
-  of float32 CPU tensors (MKL's vector math), which made an AMD EPYC and an Intel Xeon train two
+  of CPU tensors (MKL's vector math), which made an AMD EPYC and an Intel Xeon train two
   judges; the trainers avoid it (:mod:`paco.core.host_independent`; docs/numerics.md,
   ``benchmarks/numerics_fingerprint.py``). The variables
   only touch CPU kernels (a GPU run is unaffected) and are defaults: a variable already set is kept
