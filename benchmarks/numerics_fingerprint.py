@@ -7,7 +7,8 @@ sample module by module, and of a repro's artifacts, recorded on one host and co
 
 Every stage pins the CPU code paths (:mod:`paco.core.numerics`) so that a run's bytes should not
 depend on the host; this script checks that claim piece by piece. It runs in a stage process's
-numerics (``import stages`` first) with the stages' 2 torch threads (``--threads``; the same thread count on both hosts) and writes a
+numerics (``import stages`` first) with the stages' 2 torch threads (``--threads``: the same on
+both hosts) and writes a
 JSON of SHA-256 prefixes (16 hex digits) in four sections:
 
 * ``kernels``: each library kernel the stages run, at the tiny models' sizes, on inputs drawn
@@ -116,7 +117,8 @@ def host(label: str | None = None) -> dict:
 
     from paco.core.numerics import FIXED_CPU_ISA_ENV, FIXED_THREAD_ENV
 
-    seen = sorted(k for k in ("AVX2", "FMA3", "F16C", "AVX512F", "AVX512BW", "AVX512_SPR", "AVX512_ICL") if cpuid.get(k))
+    names = ("AVX2", "FMA3", "F16C", "AVX512F", "AVX512BW", "AVX512_SPR", "AVX512_ICL")
+    seen = sorted(k for k in names if cpuid.get(k))
     return {"label": label, "commit": _git_commit(ROOT), "cpuid_features": seen,
             "cpu": info.get("model name", platform.processor()), "vendor": info.get("vendor_id"),
             "family_model_stepping": [info.get("cpu family"), info.get("model"), info.get("stepping")],
@@ -215,7 +217,8 @@ def _torch_kernels(put: Callable[[str, Callable[[], object]], None]) -> None:
     x = _randn(4096, seed=70)
     for name, fn in (("exp", torch.exp), ("log", lambda t: torch.log(t.abs() + 1e-3)), ("tanh", torch.tanh),
                      ("erf", torch.erf), ("sigmoid", torch.sigmoid), ("silu", F.silu), ("sin", torch.sin),
-                     ("cos", torch.cos), ("pow", lambda t: t.abs().pow(0.7)), ("rsqrt", lambda t: torch.rsqrt(t.abs() + 1e-3)),
+                     ("cos", torch.cos), ("pow", lambda t: t.abs().pow(0.7)),
+                     ("rsqrt", lambda t: torch.rsqrt(t.abs() + 1e-3)),
                      ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))):
         put(f"torch.{name}[4096]", lambda fn=fn: fn(x))
     big = _randn(100_000, seed=71)
@@ -249,7 +252,8 @@ def _torch_kernels(put: Callable[[str, Callable[[], object]], None]) -> None:
     y = _randn(512, 128, seed=84).abs() + 0.1
     put("mkl_vml.sqrt[512x128]", lambda: torch.sqrt(y))
     put("host_independent.sqrt[512x128]", lambda: host_independent.sqrt(y))
-    put("torch.std_norm[16x64]", lambda: torch.stack([y[:16, :64].std(dim=1), torch.linalg.vector_norm(y[:16, :64], dim=1)]))
+    put("torch.std_norm[16x64]",
+        lambda: torch.stack([y[:16, :64].std(dim=1), torch.linalg.vector_norm(y[:16, :64], dim=1)]))
 
 
 def _array_kernels(put: Callable[[str, Callable[[], object]], None]) -> None:
@@ -268,7 +272,8 @@ def _array_kernels(put: Callable[[str, Callable[[], object]], None]) -> None:
 
     put("scipy.gaussian_filter[64x64]", lambda: ndimage.gaussian_filter(a[:64, :64], 1.5))
     put("scipy.kendalltau_spearmanr",
-        lambda: np.array([stats.kendalltau(a[:24, 0], a[:24, 1]).statistic, stats.spearmanr(a[:24, 0], a[:24, 1]).statistic,
+        lambda: np.array([stats.kendalltau(a[:24, 0], a[:24, 1]).statistic,
+                          stats.spearmanr(a[:24, 0], a[:24, 1]).statistic,
                           stats.ttest_rel(a[:24, 0], a[:24, 1]).pvalue]))
 
     from PIL import Image, ImageFilter
@@ -325,15 +330,17 @@ def judge_step(data: Path, params_file: Path, steps: int = 2) -> dict[str, str]:
             idx = list(range(s * cfg.batch_size, (s + 1) * cfg.batch_size))
             views = [row_images(rows[j], cfg.augment, seed=cfg.seed, epoch=0, index=j) for j in idx]
             batch = encode_rows(processor, [rows[j] for j in idx], answer, views)
-            out[f"step{s}.inputs"] = digest(torch.cat([batch["pixel_values"].flatten(), batch["input_ids"].flatten().float()]))
+            out[f"step{s}.inputs"] = digest(torch.cat([batch["pixel_values"].flatten(),
+                                                       batch["input_ids"].flatten().float()]))
             logits, labels = _forward(model, batch, torch.device("cpu"))
             loss = first_token_weighted_loss(logits, labels, cfg.first_token_weight, cfg.loss_variant)
             out[f"step{s}.loss"] = digest(loss)
-            out[f"step{s}.loss_value"] = f"{float(loss):.9g}"
+            out[f"step{s}.loss_value"] = f"{float(loss.detach()):.9g}"
             loss.backward()
             for n, p in params:
                 out[f"step{s}.grad.{n}"] = digest(p.grad)
-            out[f"step{s}.grad_norm"] = digest(torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.max_grad_norm)
+            out[f"step{s}.grad_norm"] = digest(norm)
             for n, p in params:
                 out[f"step{s}.clipped.{n}"] = digest(p.grad)
             opt.step()
@@ -463,8 +470,9 @@ def compare(mine: dict, theirs: dict, show: int = 8) -> None:
         a, b = mine.get(section) or {}, theirs.get(section) or {}
         shared = [k for k in a if k in b]
         differ = [k for k in shared if a[k] != b[k]]
+        only = f" ({len(a) - len(shared)} here only, {len(b) - len(shared)} there only)"
         print(f"{section}: {len(shared) - len(differ)} of {len(shared)} shared entries match"
-              + (f" ({len(a) - len(shared)} here only, {len(b) - len(shared)} there only)" if len(shared) != max(len(a), len(b)) else ""))
+              + (only if len(shared) != max(len(a), len(b)) else ""))
         for k in differ[:show]:
             print(f"  differs: {k}")
         if len(differ) > show:

@@ -7,10 +7,10 @@ Intel Xeon (docs/numerics.md): ``torch.sqrt`` of a float32 CPU tensor goes throu
 math (VML) and is not correctly rounded on MKL's ``COMPATIBLE`` branch (10,774 of 65,536 random
 inputs one unit in the last place off, torch 2.13), and the emulated AMD CPU rounded other
 elements (9,952 off, other bytes): consistent with an approximate reciprocal square root refined
-by Newton's method, whose first estimate is each CPU's own (not checked in MKL's code). ``exp``, ``log``, ``tanh``, ``erf``, ``sin``,
-``cos``, ``pow``, ``rsqrt``, the GEMMs and the convolutions gave the same bytes on both.
-``torch.optim.AdamW``'s default (for-each) step takes that ``sqrt`` of its second moment; its
-fused CPU kernel (ATen's own, vectorised) takes the exact one.
+by Newton's method, whose first estimate is each CPU's own (not checked in MKL's code). ``exp``,
+``log``, ``tanh``, ``erf``, ``sin``, ``cos``, ``pow``, ``rsqrt``, the GEMMs and the convolutions
+gave the same bytes on both. ``torch.optim.AdamW``'s default (for-each) step takes that ``sqrt``
+of its second moment; its fused CPU kernel (ATen's own, vectorised) takes the exact one.
 """
 
 from __future__ import annotations
