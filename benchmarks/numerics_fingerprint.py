@@ -113,7 +113,10 @@ def host(label: str | None = None) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    from numpy._core._multiarray_umath import __cpu_features__ as cpuid
+    try:  # numpy >= 2; numpy 1.x keeps it under numpy.core
+        from numpy._core._multiarray_umath import __cpu_features__ as cpuid
+    except ImportError:
+        from numpy.core._multiarray_umath import __cpu_features__ as cpuid
 
     from paco.core.numerics import FIXED_CPU_ISA_ENV, FIXED_THREAD_ENV
 
@@ -230,25 +233,16 @@ def _torch_kernels(put: Callable[[str, Callable[[], object]], None]) -> None:
     put("torch.interpolate_bicubic[96x128->200x256]",
         lambda: F.interpolate(img, size=(200, 256), mode="bicubic", align_corners=False))
 
-    def adamw():
+    def adamw(make: Callable[..., torch.optim.Optimizer]) -> torch.Tensor:
         p = _randn(512, 128, seed=80, grad=True)
-        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01)
+        opt = make([p], lr=1e-3, weight_decay=0.01)
         for i in range(3):
             p.grad = _randn(512, 128, seed=81 + i)
             opt.step()
         return p
 
-    put("torch.adamw[512x128x3]", adamw)
-
-    def fused_adamw():  # the trainers' optimizer
-        p = _randn(512, 128, seed=80, grad=True)
-        opt = host_independent.adamw([p], lr=1e-3, weight_decay=0.01)
-        for i in range(3):
-            p.grad = _randn(512, 128, seed=81 + i)
-            opt.step()
-        return p
-
-    put("torch.adamw_fused[512x128x3]", fused_adamw)
+    put("torch.adamw[512x128x3]", lambda: adamw(torch.optim.AdamW))  # the for-each step
+    put("torch.adamw_fused[512x128x3]", lambda: adamw(host_independent.adamw))  # the trainers' optimizer
     y = _randn(512, 128, seed=84).abs() + 0.1
     put("mkl_vml.sqrt[512x128]", lambda: torch.sqrt(y))
     put("host_independent.sqrt[512x128]", lambda: host_independent.sqrt(y))
@@ -433,7 +427,8 @@ def repro_threads(data: Path) -> dict[str, object]:
     for path in sorted(data.rglob("report.json")):
         try:
             run = json.loads(path.read_text()).get("run") or {}
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:  # recorded, not skipped: a stage whose threads are unknown
+            out[str(path.parent.relative_to(data))] = f"unreadable report.json: {type(exc).__name__}"
             continue
         out[str(path.parent.relative_to(data))] = (run.get("threads") or {}).get("torch")
     return out
