@@ -5,7 +5,7 @@ resolutions (paper §4.2: sample and train the 2x2 grid at 512, evaluate at 1024
         [--models data/models] [--judge data/reward_merge/model] [--prompts data/prompts/prompts.parquet]
 
 Uses the embedded default's ``grpo.t2is`` params with only ``train.resolution`` changed (eval
-only at the start and the end, outside the per-epoch figures), the real rewards and the judge served by ``python -m paco.judge.serve``. The models and
+only at the start and the end, outside the per-epoch figures), the real rewards and the judge served by ``python -m paco.serving.server``. The models and
 prompts default to a finished ``dvc repro``'s outputs; ``--build`` builds the tiny models and a
 prompt table in a temp dir instead (the base judge then stands in for the merged one). Prints
 seconds per epoch split into sampling, rewards and the policy update, and the ratio between the
@@ -34,7 +34,8 @@ from paco.core.run_identity import params_identity  # noqa: E402
 from workflow.registry import member  # noqa: E402
 from paco.grpo.trainer import train_grpo  # noqa: E402
 from paco.core.io import read_parquet  # noqa: E402
-from paco.judge.client import JudgeClient, LocalJudgeServer  # noqa: E402
+from paco.serving.judge_client import JudgeClient  # noqa: E402
+from paco.serving.local import LocalServer
 from paco.core.params import GrpoSubtaskParams  # noqa: E402
 from paco.grpo.rewards import RewardContext  # noqa: E402
 
@@ -73,7 +74,7 @@ def main() -> None:
         results = {}
         # the untrained base judge (--build) need not rank Yes/No in its top 20 first tokens
         top = 100_000 if args.build else judge["top_logprobs"]
-        with LocalJudgeServer(args.judge, judge["served_model_name"], max_logprobs=top) as url:
+        with LocalServer(args.judge, judge["served_model_name"], max_logprobs=top) as url:
             client = JudgeClient(url, judge["served_model_name"], concurrency=judge["concurrency"], top_logprobs=top)
             # as the stage's reward_context: the pickscore role's own model (paper: PickScore_v1)
             ctx = RewardContext(judge=client, clip=ClipScorer(args.models / "clip"),

@@ -9,7 +9,7 @@ untrained tiny one in a temp dir, whose first tokens need not rank Yes/No in the
 server then returns every token's log-prob and the HTTP figures include that much larger JSON)
 and pairs of 128 px panels cut from ``photos`` composites, with the embedded default's
 instruction. Prints pairs per second for: in-process ``Judge.score`` with batch 1 and
-with ``--batch``; the HTTP server (``python -m paco.judge.serve``) hit one request at a time and with
+with ``--batch``; the HTTP server (``python -m paco.serving.server``) hit one request at a time and with
 ``--batch`` concurrent requests, once per server ``--batching`` mode, with whether the
 concurrent run's scores are bit-identical to the one-at-a-time run's (the batch invariance that
 GRPO's reproducibility needs; ``dynamic`` is not invariant); and seconds per training step of
@@ -84,7 +84,8 @@ def main() -> None:
     ap.add_argument("--square", action="store_true", help="resize every panel to 128x128 px")
     args = ap.parse_args()
     from paco.judge.model import Judge
-    from paco.judge.client import JudgeClient, LocalJudgeServer
+    from paco.serving.judge_client import JudgeClient
+    from paco.serving.local import LocalServer
     from paco.core.templates import judge_instruction
 
     params = load_params(ROOT / "params.yaml")
@@ -109,7 +110,7 @@ def main() -> None:
         print(f"in process   batch 1: {one:7.1f} pairs/s   batch {args.batch}: {batched:7.1f} pairs/s "
               f"({batched / one:.1f}x)")
         for mode in args.modes.split(","):
-            with LocalJudgeServer(args.judge, "bench", max_batch_size=args.batch, max_logprobs=top,
+            with LocalServer(args.judge, "bench", max_batch_size=args.batch, max_logprobs=top,
                                   batching=mode, threads=args.threads) as url:
                 serial = JudgeClient(url, "bench", concurrency=1, top_logprobs=top)
                 serial.score(triples[:2])

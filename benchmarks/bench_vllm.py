@@ -3,8 +3,8 @@
     python benchmarks/bench_vllm.py [--judge data/reward_merge/model] [--pairs 256] [--inflight 1 16 64]
 
 Serves the merged judge twice on the GPU, ``vllm serve <dir> --served-model-name paco-reward``
-and ``python -m paco.judge.serve`` (``--batching single`` / ``dynamic``), scores the same pairs
-of 128 px panels through the official client (:class:`paco.judge.client.JudgeClient`) at each
+and ``python -m paco.serving.server`` (``--batching single`` / ``dynamic``), scores the same pairs
+of 128 px panels through the official client (:class:`paco.serving.judge_client.JudgeClient`) at each
 ``--inflight`` concurrency, and prints pairs per second and the largest |P(Yes)| difference
 from the in-process transformers judge. Figures only: nothing here asserts. The correctness
 check is ``tests/test_vllm.py`` (``-m gpu``).
@@ -38,7 +38,8 @@ def main() -> None:
     import torch
 
     from bench_judge import panels
-    from paco.judge.client import JudgeClient, LocalJudgeServer
+    from paco.serving.judge_client import JudgeClient
+    from paco.serving.local import LocalServer
     from paco.judge.model import Judge
     from paco.core.templates import judge_instruction
 
@@ -55,7 +56,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     for engine in args.engines.split(","):
         kind, _, batching = engine.partition("-")
-        with tempfile.TemporaryDirectory() as tmp, LocalJudgeServer(
+        with tempfile.TemporaryDirectory() as tmp, LocalServer(
                 args.judge, "paco-reward", engine=kind, dtype=args.dtype, batching=batching or "auto",
                 device="cuda", max_batch_size=64, startup_timeout_s=900, log_path=Path(tmp) / "server.log") as url:
             JudgeClient(url, "paco-reward", concurrency=8).score(triples[:16])  # warm-up

@@ -19,12 +19,11 @@ sft        one optimizer step of :func:`paco.judge.training.train_reward` (``rew
            its end-of-epoch evaluation and checkpoint, on 32 + 8 synthetic pairs
 merge      ``python -m stages.reward_merge`` (in process: ``stages.reward_merge.main``) on a
            params file written beside the models; it checks unmerged = merged = reloaded
-serve      the project's server ``paco.judge.serve`` (the preset's ``judge_endpoint.server``
+serve      the project's server ``paco.serving.server`` (the preset's ``judge_endpoint.server``
            settings with ``engine paco`` on the run's one device, kept up for GRPO and final
-           sampling), then after ``final`` ``vllm serve`` of the merged judge
-           (``LocalJudgeServer(engine="vllm")``, when ``vllm`` imports and the device is CUDA) in
-           float32 and in the run's dtype, each scored with :class:`paco.judge.client.JudgeClient`
-           and compared with the in-process :class:`paco.judge.model.Judge` in the same dtype
+           sampling), then after ``final`` ``vllm serve`` of the merged judge (``LocalServer(engine="vllm")``,
+           when ``vllm`` imports and the device is CUDA) in float32 and in the run's dtype, each scored
+           with ``JudgeClient``, compared with the in-process ``Judge`` in the same dtype
 grpo       one epoch of :func:`paco.grpo.trainer.train_grpo` (``grpo.t2is`` of the preset:
            10 steps, SDE step 1, noise 0.7, LoRA r 64 / alpha 128, rewards consistency (the
            served judge) + clip_t + pickscore, log-tame aggregation, 2 gradient steps,
@@ -294,7 +293,7 @@ def _reference_scores(run: _Run, merged: Path) -> tuple[list, np.ndarray]:
 
 def _vllm(run: _Run, merged: Path, triples: list, reference: np.ndarray, serve_rows: dict[str, Any],
           budget: memory_plan.Budget) -> None:
-    """(c, last) ``vllm serve`` of the merged judge (``LocalJudgeServer(engine="vllm")``) in the run's
+    """(c, last) ``vllm serve`` of the merged judge (``LocalServer(engine="vllm")``) in the run's
     dtype (the paper's serving), then float32 (tests/test_vllm.py's tolerance, weights upcast from
     the merged bf16 ones), scored through the project's client against the in-process judge
     in the same dtype; after the project's server stopped and the policy was freed (vLLM takes
@@ -302,8 +301,9 @@ def _vllm(run: _Run, merged: Path, triples: list, reference: np.ndarray, serve_r
     ``skipped`` (not installed, no CUDA, budget) or ``failed`` (the server's log tail)."""
     import torch
 
-    from paco.judge.client import JudgeClient, JudgeError, LocalJudgeServer
     from paco.judge.model import Judge
+    from paco.serving.judge_client import JudgeClient, JudgeError
+    from paco.serving.local import LocalServer
 
     dtypes, name = list(dict.fromkeys([run.dtype, "float32"])), run.params.judge_endpoint.served_model_name
     if importlib.util.find_spec("vllm") is None:
@@ -326,7 +326,7 @@ def _vllm(run: _Run, merged: Path, triples: list, reference: np.ndarray, serve_r
             del judge
             _release(True)
         try:
-            with run.timer.stage(stage), LocalJudgeServer(
+            with run.timer.stage(stage), LocalServer(
                     merged, name, engine="vllm", dtype=vdtype, max_logprobs=run.top, startup_timeout_s=900,
                     log_path=run.workdir / f"server/vllm-{vdtype}.log") as url:
                 client = JudgeClient(url, name, concurrency=16, top_logprobs=run.top)
@@ -344,7 +344,7 @@ def _vllm(run: _Run, merged: Path, triples: list, reference: np.ndarray, serve_r
 def _serve(run: _Run, url: str, triples: list, reference: np.ndarray, serve_rows: dict[str, Any],
            engines: tuple[str, ...]) -> None:
     """(c, second half) the project's judge server, scored through the project's client."""
-    from paco.judge.client import JudgeClient
+    from paco.serving.judge_client import JudgeClient
 
     if "paco" in engines:
         client = JudgeClient(url, run.params.judge_endpoint.served_model_name, concurrency=16, top_logprobs=run.top)
@@ -432,7 +432,7 @@ def run_smoke(workdir: Path, *, device: str = "cuda", dtype: str = "bfloat16", w
     import torch
 
     from paco.core.params import read_params_yaml
-    from paco.grpo.judge_endpoint import judge_endpoint
+    from paco.serving.endpoint import judge_endpoint
     from paco.grpo.rewards import make_reward_context
 
     if device.startswith("cuda") and not torch.cuda.is_available():

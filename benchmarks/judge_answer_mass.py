@@ -4,7 +4,7 @@
 
 The GRPO and final-sampling stages read P(Yes) / (P(Yes) + P(No)) from the served judge's 20 most
 likely first tokens (``judge_endpoint.top_logprobs``) and fail a request where neither answer is
-among them (``paco.judge.client.yes_probability``). This measures how far a judge is from that
+among them (``paco.judge.model.yes_probability``). This measures how far a judge is from that
 failure on what the policies actually draw: it loads ``--data``'s merged judge
 (``reward_merge/model``) and asks it the reward's own questions about every final sample, base and
 LoRA (``final_samples/<subtask>/samples.parquet``): each pair of a t2is sample's panels with the

@@ -49,7 +49,7 @@ def _evaluators(params: Params, cfg, answers: Path, subtask: str) -> list:
     import os
 
     from paco.benchmark.serving import BenchEvaluator
-    from paco.judge.local_server import server_options
+    from paco.serving.local import server_options
 
     s = params.judge_endpoint.server
     server = server_options(s, request_timeout_s=cfg.timeout_s, max_logprobs=max(s.max_logprobs, cfg.top_logprobs))

@@ -32,7 +32,7 @@ from paco.core.io import ArtifactError, encode_image, read_parquet, write_parque
 from paco.core.params import Params  # noqa: E402
 from paco.core.distributed import make_accelerator  # noqa: E402
 from paco.core.stage import StageOutput, log, run, subtask_params  # noqa: E402
-from paco.grpo.judge_endpoint import judge_endpoint  # noqa: E402
+from paco.serving.endpoint import judge_endpoint  # noqa: E402
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 def _body(args: argparse.Namespace, params: Params) -> dict:
     from paco.grpo.rewards import ITEM_COLUMNS, RewardError, check_reward_names, make_reward_context
-    from paco.judge.client import JudgeError
+    from paco.serving.judge_client import JudgeError
     from paco.grpo.final_samples import final_samples
     from paco.grpo.policies.lora_io import lora_format
 

@@ -8,7 +8,7 @@ Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
         --pickscore data/models/pickscore --lora data/grpo/t2is/lora --checkpoints data/grpo/t2is/checkpoints \\
         --plots data/grpo/t2is/plots --metrics data/grpo/t2is/metrics.json
 
-The judge: with ``judge_endpoint.url: null`` the main process starts ``python -m paco.judge.serve`` on the
+The judge: with ``judge_endpoint.url: null`` the main process starts ``python -m paco.serving.server`` on the
 ``--judge`` model on a free localhost port, loads CLIP and PickScore while it starts, then waits for
 ``/health``, checks the served model name, and stops it on exit; with a URL (e.g. of ``vllm serve
 data/reward_merge/model --served-model-name paco-reward``) that server is checked and used. Params: ``grpo.<subtask>``
@@ -32,7 +32,7 @@ from pathlib import Path  # noqa: E402
 
 from paco.core.io import ArtifactError, read_parquet  # noqa: E402
 from paco.core.distributed import make_accelerator  # noqa: E402
-from paco.grpo.judge_endpoint import judge_endpoint  # noqa: E402
+from paco.serving.endpoint import judge_endpoint  # noqa: E402
 from paco.core.params import Params  # noqa: E402
 from paco.core.stage import StageOutput, log, run, subtask_params  # noqa: E402
 
@@ -56,7 +56,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     from paco.grpo.rewards import ITEM_COLUMNS, RewardError, check_reward_names, make_reward_context
     from paco.grpo.trainer import check_splits, train_grpo
-    from paco.judge.client import JudgeError
+    from paco.serving.judge_client import JudgeError
     from paco.core.run_identity import stage_identity_on_main
     from workflow.registry import member
 
@@ -82,7 +82,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     report = out["report"]
     report["subtask"] = args.subtask
     endpoint = params.judge_endpoint
-    report["judge"] = {"url": endpoint.url or "local paco.judge.serve", "model": endpoint.served_model_name,
+    report["judge"] = {"url": endpoint.url or "local paco.serving.server", "model": endpoint.served_model_name,
                        "requests": ctx.judge.requests}
     if not accelerator.is_main_process:
         args.metrics = None

@@ -17,7 +17,7 @@ import pytest
 from fake_openai import FakeOpenAIServer
 from PIL import Image
 
-import paco.judge.client as judge_client
+import paco.serving.client as judge_client
 from paco.benchmark.answer_cache import AnswerCache, request_key
 from paco.benchmark.evaluator import (
     Evaluator,
@@ -27,7 +27,7 @@ from paco.benchmark.evaluator import (
     build_chat,
 )
 from paco.judge.chat import build_openai_messages, png_bytes
-from paco.judge.client import JudgeContextLengthError
+from paco.serving.client import ContextLengthError
 
 MODEL = "evaluator-under-test"
 QUESTION = ("Do images meet the following criteria? The same red fox appears in every image. "
@@ -311,7 +311,7 @@ def test_a_prompt_too_long_is_a_context_length_error():
     with FakeOpenAIServer(lambda b, n: (400, {"error": {"message": message}}, 0)) as srv:
         with pytest.raises(EvaluatorContextLengthError) as err:
             Evaluator("e", srv.base_url, MODEL).yes_probability(images(2), QUESTION)
-    assert isinstance(err.value, JudgeContextLengthError) and (err.value.n_tokens, err.value.limit) == (5000, 4096)
+    assert isinstance(err.value, ContextLengthError) and (err.value.n_tokens, err.value.limit) == (5000, 4096)
     assert len(srv.requests) == 1
 
 

@@ -233,12 +233,12 @@ def test_the_stage_asks_a_transformers_evaluator_without_a_server(tmp_path, monk
     table without the doubled-image note; a rerun asks nothing and loads nothing."""
     from test_benchmark_stage import _member, _run, _workdir
 
-    import paco.judge.local_server as local_server
+    import paco.serving.local as local_server
 
     def no_server(self):
         raise AssertionError("a transformers evaluator started a server")
 
-    monkeypatch.setattr(local_server.LocalJudgeServer, "start", no_server)
+    monkeypatch.setattr(local_server.LocalServer, "start", no_server)
     ev = {"local": {"model": "data/models/judge_base", "url": None, "served_model_name": "base-judge",
                     "api_key_env": None, "stand_in_for": None, "backend": "transformers"}}
     gedit = {"scoring": "expected_score", "max_tokens": 512, "official_random": False, "seed": 42, "text_first": False}

@@ -21,7 +21,7 @@ import yaml
 from fake_openai import FakeOpenAIServer
 from PIL import Image
 
-import paco.judge.client as judge_client
+import paco.serving.client as judge_client
 from paco.core.io import encode_image, write_parquet
 from paco.data.edits import EDIT_COLUMNS, EDIT_IMAGE_COLUMNS
 

@@ -14,7 +14,7 @@ from paco.grpo import rewards as R
 from paco.core.checkpoints import list_checkpoints
 from paco.grpo.checkpointing import CHECKPOINT_PREFIX
 from paco.grpo.trainer import train_grpo
-from paco.judge.client import JudgeError
+from paco.serving.judge_client import JudgeError
 from paco.core.params import GrpoSubtaskParams
 from paco.core.run_identity import params_identity
 from workflow.registry import member
@@ -467,7 +467,9 @@ def test_overlapped_rewards_equal_scoring_after_sampling(tiny_model_dirs, tmp_pa
 
     from safetensors.torch import load_file
 
-    from paco.judge.client import JudgeClient, LocalJudgeServer
+    from paco.serving.judge_client import JudgeClient
+
+    from paco.serving.local import LocalServer
 
     vocab = 100_000
     threads: set[str] = set()
@@ -478,7 +480,7 @@ def test_overlapped_rewards_equal_scoring_after_sampling(tiny_model_dirs, tmp_pa
             return super().score(triples)
 
     runs = {}
-    with LocalJudgeServer(tiny_model_dirs["judge_base"], "judge", max_logprobs=vocab, max_wait_ms=5) as url:
+    with LocalServer(tiny_model_dirs["judge_base"], "judge", max_logprobs=vocab, max_wait_ms=5) as url:
         for overlap in (False, True):
             threads.clear()
             ctx = R.RewardContext(judge=Recording(url, "judge", retries=0, top_logprobs=vocab), instruction="rank")

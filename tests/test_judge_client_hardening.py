@@ -13,7 +13,9 @@ import pytest
 from fake_openai import DripServer, FakeOpenAIServer
 from PIL import Image
 
-from paco.judge.client import JudgeClient, JudgeError, yes_probability
+from paco.serving.judge_client import JudgeClient, JudgeError
+
+from paco.judge.model import AnswerLogprobsError, yes_probability
 
 NAME = "judge-under-test"
 
@@ -125,7 +127,7 @@ def test_more_top_entries_than_asked_for_is_an_error():
 def test_yes_probability_refuses_what_is_not_a_log_probability():
     assert yes_probability([{"token": "Yes", "logprob": -0.0}, {"token": "No", "logprob": 0}]) == 0.5
     for bad in (True, 0.5, math.inf, -math.inf, math.nan, "-1", None):
-        with pytest.raises(JudgeError, match="invalid logprob"):
+        with pytest.raises(AnswerLogprobsError, match="invalid logprob"):
             yes_probability([{"token": "Yes", "logprob": bad}, {"token": "No", "logprob": -1.0}])
 
 

@@ -479,7 +479,7 @@ NODE_PROBE = '''
 import json, os
 from accelerate import Accelerator
 from accelerate.utils import gather_object
-from paco.grpo.judge_endpoint import JudgeEndpoint
+from paco.serving.endpoint import JudgeEndpoint
 
 acc = Accelerator(cpu=True)
 

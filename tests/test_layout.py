@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: the floor of each part of ``paco``: a module may import its own part and the floors below
-FLOORS = {"paco.core": 0, "paco.data": 1, "paco.models": 1, "paco.judge": 2, "paco.grpo": 3,
-          "paco.compare": 4, "paco.results": 4, "paco.benchmark": 4, "paco.pretrain": 4}
+FLOORS = {"paco.core": 0, "paco.data": 1, "paco.models": 1, "paco.judge": 2, "paco.serving": 3, "paco.grpo": 4,
+          "paco.compare": 5, "paco.results": 5, "paco.benchmark": 5, "paco.pretrain": 5}
 #: limits for the project's code (paco, stages, workflow, benchmarks)
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 100
@@ -107,3 +107,67 @@ def test_modules_and_functions_stay_readable(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"{path.relative_to(ROOT)}: {lines} lines (at most {MAX_MODULE_LINES})"
     assert not _long_functions(path), f"{path.relative_to(ROOT)}: functions over {MAX_FUNCTION_LINES} lines"
+
+
+def _module_graph(*tops: str) -> dict[str, set[str]]:
+    """Module name -> the project modules it imports (any level; names that are not modules of
+    ``tops``, such as ``from m import a_function``, dropped)."""
+    paths = {_module_name(p): p for p in _sources(*tops)}
+    return {m: {i for i in imports(p) if i in paths and i != m} for m, p in paths.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm,
+    iterative): each is a set of modules that import each other, directly or through others."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    component.append(m)
+                    if m == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_a_module_that_imports_it():
+    """No import circle anywhere in ``paco`` (the serving package's client and local server
+    once imported each other through a lazy module attribute)."""
+    graph = _module_graph("paco")
+    assert len(graph) > 50 and any(graph.values())
+    assert import_cycles(graph) == []

@@ -1,7 +1,7 @@
-"""The judge server a stage starts for itself (:mod:`paco.judge.local_server`), engine vLLM: the exact
+"""The judge server a stage starts for itself (:mod:`paco.serving.local`), engine vLLM: the exact
 command built from ``judge_endpoint.server`` (the reference's ``vllm_server/launch.sh`` flags), the
 server's environment (its own GPUs, no inherited key), and the wiring from the params through
-``paco.grpo.judge_endpoint`` to the process started. No vLLM is needed: a fake interpreter records
+``paco.serving.endpoint`` to the process started. No vLLM is needed: a fake interpreter records
 what it was started with and exits, and the start-up error quotes its log."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import pytest
 from paco.core.io import ArtifactError
 from paco.core.params import validate_params
 from paco.core.params.base import read_params_yaml
-from paco.judge.client import JudgeError
-from paco.judge.local_server import LocalJudgeServer, server_env, vllm_command
+from paco.serving.client import ServedModelError
+from paco.serving.judge_client import JudgeError
+from paco.serving.local import LocalServer, server_env, vllm_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_SERVER = {"engine": "vllm", "gpus": 1, "dtype": "bfloat16", "max_model_len": 8192,
@@ -49,12 +50,14 @@ def test_vllm_command_is_launch_sh_from_params():
                        extra_args=s.extra_args)
     assert cmd == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "data/reward_merge/model",
                    "--served-model-name", "paco-reward", "--host", "127.0.0.1", "--port", "8123",
-                   "--dtype", "bfloat16", "--max-logprobs", "20", "--gpu-memory-utilization", "0.85",
-                   "--tensor-parallel-size", "1", "--seed", "0", "--max-model-len", "8192"]
+                   "--dtype", "bfloat16", "--max-logprobs", "20", "--seed", "0",
+                   "--mm-processor-kwargs", '{"use_fast": false}', "--no-mm-device-do-normalize",
+                   "--limit-mm-per-prompt", '{"video": 0}',
+                   "--gpu-memory-utilization", "0.85", "--tensor-parallel-size", "1", "--max-model-len", "8192"]
 
 
 def test_vllm_command_python_extra_args_and_no_max_model_len():
-    s = _server_params(python="/opt/vllm/bin/python", extra_args=["--limit-mm-per-prompt", '{"image": 2}'],
+    s = _server_params(python="/opt/vllm/bin/python", extra_args=["--enable-prefix-caching"],
                        max_model_len=None, gpus=2, dtype="auto").server
     cmd = vllm_command(Path("m"), "j", 9000, python=s.python, dtype=s.dtype, max_model_len=s.max_model_len,
                        max_logprobs=s.max_logprobs, gpu_memory_utilization=s.gpu_memory_utilization,
@@ -62,7 +65,7 @@ def test_vllm_command_python_extra_args_and_no_max_model_len():
     assert cmd[0] == "/opt/vllm/bin/python"
     assert "--max-model-len" not in cmd
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and cmd[cmd.index("--dtype") + 1] == "auto"
-    assert cmd[-2:] == ["--limit-mm-per-prompt", '{"image": 2}']
+    assert cmd[-1] == "--enable-prefix-caching"
     for bad in ({"port": 0}, {"gpu_memory_utilization": 0.0}, {"gpu_memory_utilization": 1.5},
                 {"tensor_parallel_size": 0}):
         kwargs = {"port": 9000, **bad}
@@ -107,7 +110,7 @@ def test_server_params_are_checked_by_name():
         "extra_args repeat ['--port', '--tensor-parallel-size']": _raw(extra_args=["--port=1", "--tensor_parallel_size",
                                                                                    "2"]),
         "judge_endpoint.server.dtype auto": _raw(engine="paco", dtype="auto"),
-        "python / extra_args are for engine vllm": _raw(engine="paco", python="/x/python"),
+        "python / kv_cache_gib / extra_args are for engine vllm": _raw(engine="paco", python="/x/python"),
     }
     for message, raw in cases.items():
         with pytest.raises(ParamsError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -119,6 +122,8 @@ def test_server_params_are_checked_by_name():
 
 
 FAKE_VLLM = """#!/bin/sh
+# the vLLM look-up (paco.serving.vllm.check_vllm_python) finds one
+[ "$1" = "-c" ] && exit 0
 echo "argv: $*"
 echo "devices: $CUDA_VISIBLE_DEVICES"
 echo "key: ${PACO_JUDGE_API_KEY:-none}"
@@ -134,14 +139,14 @@ def _fake_python(tmp_path: Path) -> Path:
 
 
 def test_a_vllm_server_runs_the_command_on_its_devices(tmp_path, monkeypatch):
-    """LocalJudgeServer(engine="vllm") runs :func:`vllm_command` with ``python`` on
+    """LocalServer(engine="vllm") runs :func:`vllm_command` with ``python`` on
     ``visible_devices`` (tensor parallel over them), and a server that exits is a JudgeError quoting
     its log."""
     monkeypatch.setenv("PACO_JUDGE_API_KEY", "secret")
-    server = LocalJudgeServer(tmp_path / "judge", "paco-reward", engine="vllm", python=str(_fake_python(tmp_path)),
+    server = LocalServer(tmp_path / "judge", "paco-reward", engine="vllm", python=str(_fake_python(tmp_path)),
                               visible_devices="4,5", dtype="bfloat16", max_model_len=8192, startup_timeout_s=60,
                               log_path=tmp_path / "judge.log", extra_args=["--enforce-eager"])
-    with pytest.raises(JudgeError, match="exited with code 3") as err:
+    with pytest.raises(ServedModelError, match="exited with code 3") as err:
         server.__enter__()
     assert server.cmd[0] == str(tmp_path / "fake-python") and server.cmd[-1] == "--enforce-eager"
     assert server.cmd[server.cmd.index("--tensor-parallel-size") + 1] == "2"
@@ -168,7 +173,7 @@ def test_judge_endpoint_starts_the_server_the_params_describe(tmp_path, monkeypa
     ``PACO_JUDGE_DEVICES`` and logs to ``log_dir/log_name``; with ``server.gpus`` > 0 and no
     ``PACO_JUDGE_DEVICES`` (not started by ``paco.core.launch --serves_judge``) it is a named
     ArtifactError before any server starts."""
-    from paco.grpo.judge_endpoint import judge_endpoint
+    from paco.serving.endpoint import judge_endpoint
 
     judge = tmp_path / "judge"
     judge.mkdir()
@@ -186,13 +191,4 @@ def test_judge_endpoint_starts_the_server_the_params_describe(tmp_path, monkeypa
             endpoint.url()
     log = (tmp_path / "logs" / "final_samples_t2is.judge_server.log").read_text()
     assert f"--model {judge} --served-model-name paco-reward" in log and "devices: 4" in log
-    assert "--gpu-memory-utilization 0.5 --tensor-parallel-size 1 --seed 0 --max-model-len 4096" in log
-
-
-def test_local_judge_server_is_still_importable_from_the_client():
-    import paco.judge.client as client
-    import paco.judge.local_server as local
-
-    assert client.LocalJudgeServer is local.LocalJudgeServer
-    with pytest.raises(AttributeError):
-        client.NoSuchThing  # noqa: B018
+    assert "--gpu-memory-utilization 0.5 --tensor-parallel-size 1 --max-model-len 4096" in log

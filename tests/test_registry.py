@@ -60,11 +60,11 @@ def test_code_deps_are_the_import_closure():
     exported names, the judge server it starts as a process), so editing any module it runs
     reruns it, and a module it does not run never does."""
     grpo = set(registry.by_name("grpo").code)
-    assert {"stages/grpo.py", "paco/grpo/trainer.py", "paco/grpo/sde.py", "paco/grpo/judge_endpoint.py", "paco/core/run_identity.py",
-            "paco/core/seeding.py", "paco/judge/serve/batching.py", "paco/models/loading.py"} <= grpo
+    assert {"stages/grpo.py", "paco/grpo/trainer.py", "paco/grpo/sde.py", "paco/serving/endpoint.py", "paco/core/run_identity.py",
+            "paco/core/seeding.py", "paco/serving/server/batching.py", "paco/models/loading.py"} <= grpo
     # seeding lives apart from the photo renderer: editing photos does not rerun GRPO
     assert not {"paco/data/photos.py", "paco/data/composites.py", "paco/judge/teachers/template.py"} & grpo
-    assert "paco/judge/serve/batching.py" not in registry.by_name("reward_train").code
+    assert "paco/serving/server/batching.py" not in registry.by_name("reward_train").code
     assert "paco/judge/teachers/template.py" in registry.by_name("reasons").code
     # lazily exported names: paco.models' _EXPORTS maps load_judge to paco/models/loading.py
     assert "paco/models/loading.py" in registry.by_name("reward_eval").code

@@ -148,7 +148,7 @@ def test_pickscore_is_the_reference_formula(tiny_model_dirs, tmp_path):
 def test_the_pickscore_model_loads_only_for_the_pickscore_reward(tiny_model_dirs, tmp_path, monkeypatch):
     """``make_reward_context`` loads the ``pickscore`` directory only when a requested reward
     needs it (PickScore_v1 is a 1 B-parameter ViT-H), and then from that directory."""
-    import paco.judge.client as client_module
+    import paco.serving.judge_client as client_module
     from paco.core.params import Params
     from paco.models.tiny import build_tiny
 
@@ -162,6 +162,9 @@ def test_the_pickscore_model_loads_only_for_the_pickscore_reward(tiny_model_dirs
     class Endpoint:
         def url(self):
             return "http://127.0.0.1:9/v1"
+
+        def supervisor(self):
+            return None
 
     monkeypatch.setattr(client_module, "JudgeClient", FakeClient)
     pick_dir = build_tiny("clip", tmp_path / "pickscore", seed=1)
@@ -182,9 +185,9 @@ def test_a_deferred_judge_is_reached_only_on_connect(tiny_model_dirs, monkeypatc
     nor makes the judge client: :meth:`RewardContext.connect` does, once (a second call does
     nothing), and an endpoint that fails raises there. Before it, a judge reward is an error that
     says so, never a default score; ``connect=True`` (the default) reaches the judge at once."""
-    import paco.judge.client as client_module
+    import paco.serving.judge_client as client_module
     from paco.core.params import Params
-    from paco.judge.client import JudgeError
+    from paco.serving.judge_client import JudgeError
 
     calls = []
 
@@ -204,6 +207,9 @@ def test_a_deferred_judge_is_reached_only_on_connect(tiny_model_dirs, monkeypatc
             if self.fail:
                 raise JudgeError("judge server not healthy")
             return "http://127.0.0.1:9/v1"
+
+        def supervisor(self):
+            return None
 
     monkeypatch.setattr(client_module, "JudgeClient", FakeClient)
     ctx = R.make_reward_context(Params(), Endpoint(), tiny_model_dirs["clip"], tiny_model_dirs["clip"],
@@ -238,7 +244,7 @@ def test_editing_reward_from_hand_made_logprobs_through_the_official_client():
 
     from fake_openai import FakeOpenAIServer
 
-    from paco.judge.client import JudgeClient
+    from paco.serving.judge_client import JudgeClient
 
     logprobs = {"sc": {"Yes": -0.3, "No": -1.5, "Maybe": -2.0}, "pf": {"Yes": -1.2, "No": -0.4, "yes": -3.0}}
     original = Image.new("RGB", (24, 24), (200, 10, 10))

@@ -83,7 +83,7 @@ def test_every_dependency_class_changes_its_part(workspace):
         dep = "/".join(rel.split("/")[:3]) if "models" in rel or "model/" in rel else rel
         assert _identity(ws).changed(base.parts) == [f"dep:{dep}"], rel
         (ws / rel).write_bytes(old)
-    for code in ("paco/judge/model.py", "paco/judge/serve/batching.py", "paco/grpo/trainer.py"):
+    for code in ("paco/judge/model.py", "paco/serving/server/batching.py", "paco/grpo/trainer.py"):
         old = (ws / code).read_bytes()
         (ws / code).write_bytes(old + b"\n# edited\n")
         assert _identity(ws).changed(base.parts) == [f"code:{code}"], code

@@ -18,10 +18,13 @@ from PIL import Image
 
 from paco.core.templates import judge_instruction
 from paco.judge.chat import build_openai_messages, png_bytes
-from paco.judge.client import JudgeClient, JudgeContextLengthError, JudgeError, LocalJudgeServer, yes_probability
+from paco.serving.client import ServedModelError
+from paco.serving.judge_client import JudgeClient, JudgeContextLengthError, JudgeError
+from paco.serving.local import LocalServer
+from paco.judge.model import AnswerLogprobsError, yes_probability
 from paco.judge.model import Judge, JudgeContextError
-from paco.judge.serve.app import JudgeServer
-from paco.judge.serve.limits import ServerLimits
+from paco.serving.server.app import JudgeServer
+from paco.serving.server.limits import ServerLimits
 
 from judge_server_helpers import NAME, images, request_body
 
@@ -56,9 +59,9 @@ def test_yes_probability_is_the_two_token_softmax():
     assert yes_probability(top) == pytest.approx(0.6 / 0.8)
     assert yes_probability(top, answer_variants=True) == pytest.approx(0.7 / 0.9)
     assert yes_probability(top[:1]) == 1.0 and yes_probability(top[1:2]) == 0.0  # reference: missing = -inf
-    with pytest.raises(JudgeError, match="neither"):
+    with pytest.raises(AnswerLogprobsError, match="neither"):
         yes_probability([{"token": "Maybe", "logprob": -0.1}])
-    with pytest.raises(JudgeError, match="invalid logprob"):
+    with pytest.raises(AnswerLogprobsError, match="invalid logprob"):
         yes_probability([{"token": "Yes", "logprob": float("nan")}])
 
 
@@ -122,7 +125,7 @@ def test_context_bound_is_prompt_plus_one_answer_token(judge):
 
 
 def test_client_recognises_vllm_context_refusals():
-    from paco.judge.client import _context_refusal
+    from paco.serving.client import _context_refusal
 
     old = ("HTTP 400 from http://h/v1/chat/completions: {\"object\":\"error\",\"message\":\"This model's maximum "
            "context length is 4096 tokens. However, you requested 9688 tokens (9687 in the messages, 1 in the "
@@ -205,7 +208,7 @@ def test_local_server_process_lifecycle(tiny_model_dirs, tmp_path, monkeypatch):
     log = tmp_path / "server.log"
     monkeypatch.setenv("OMP_DYNAMIC", "true")  # a user's setting must not reach the server's torch
     monkeypatch.setenv("PACO_JUDGE_API_KEY", "a-key-for-another-judge")  # nor a key for another server
-    server = LocalJudgeServer(tiny_model_dirs["judge_base"], NAME, log_path=log, threads=1, max_logprobs=VOCAB)
+    server = LocalServer(tiny_model_dirs["judge_base"], NAME, log_path=log, threads=1, max_logprobs=VOCAB)
     with pytest.raises(RuntimeError, match="not started"):
         server.wait_ready()
     # start() returns while the server loads (a stage does its own start-up meanwhile) and
@@ -230,8 +233,8 @@ def test_local_server_process_lifecycle(tiny_model_dirs, tmp_path, monkeypatch):
 
 
 def test_local_server_that_cannot_start_reports_its_log(tmp_path):
-    with pytest.raises(JudgeError, match="exited with code") as err:
-        with LocalJudgeServer(tmp_path / "no-such-model", NAME, startup_timeout_s=60):
+    with pytest.raises(ServedModelError, match="exited with code") as err:
+        with LocalServer(tmp_path / "no-such-model", NAME, startup_timeout_s=60):
             pass
     assert "no-such-model" in str(err.value)
 
@@ -462,8 +465,8 @@ def test_local_server_exits_when_its_parent_is_killed(tiny_model_dirs, tmp_path)
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys, time\n"
-        "from paco.judge.client import LocalJudgeServer\n"
-        f"srv = LocalJudgeServer({str(tiny_model_dirs['judge_base'])!r}, 'x', threads=1)\n"
+        "from paco.serving.local import LocalServer\n"
+        f"srv = LocalServer({str(tiny_model_dirs['judge_base'])!r}, 'x', threads=1)\n"
         "srv.__enter__()\n"
         "print(srv.proc.pid, flush=True)\n"
         "time.sleep(600)\n")
@@ -522,8 +525,8 @@ def test_a_reply_that_is_not_json_is_a_named_judge_error():
 
 
 def test_a_server_started_by_hand_runs_the_fixed_cpu_paths(tiny_model_dirs, tmp_path):
-    """`python -m paco.judge.serve` started without the code-path variables (as a user would, not
-    through LocalJudgeServer) loads numpy before its main can set them, so it runs itself again
+    """`python -m paco.serving.server` started without the code-path variables (as a user would, not
+    through LocalServer) loads numpy before its main can set them, so it runs itself again
     with them set: the listening process (same pid after the exec) has them in its environment."""
     import os
     import subprocess
@@ -535,7 +538,7 @@ def test_a_server_started_by_hand_runs_the_fixed_cpu_paths(tiny_model_dirs, tmp_
         pytest.skip("not an x86-64 CPU with AVX2: the CPU paths are left to the libraries")
     env = {k: v for k, v in os.environ.items() if k not in FIXED_CPU_ISA_ENV}
     port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "paco.judge.serve", "--model", str(tiny_model_dirs["judge_base"]),
+    proc = subprocess.Popen([sys.executable, "-m", "paco.serving.server", "--model", str(tiny_model_dirs["judge_base"]),
                              "--served-model-name", NAME, "--port", "0", "--port-file", str(port_file)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=Path(__file__).resolve().parents[1])

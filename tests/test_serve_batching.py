@@ -10,10 +10,10 @@ import torch
 
 from paco.core.templates import judge_instruction
 from paco.judge.model import Judge
-from paco.judge.serve.batching import BatchingJudge
-from paco.judge.serve.limits import ServerLimits
-from paco.judge.serve.preparation import RequestPreparer
-from paco.judge.serve.protocol import IMAGE_KEY
+from paco.serving.server.batching import BatchingJudge
+from paco.serving.server.limits import ServerLimits
+from paco.serving.server.preparation import RequestPreparer
+from paco.serving.server.protocol import IMAGE_KEY
 
 from judge_server_helpers import NAME, images, request_body
 

@@ -23,10 +23,12 @@ import pytest
 from PIL import Image
 
 from paco.judge.chat import png_bytes
-from paco.judge.client import JudgeClient, JudgeError, LocalJudgeServer
+from paco.serving.client import ServedModelError
+from paco.serving.judge_client import JudgeClient, JudgeError
+from paco.serving.local import LocalServer
 from paco.judge.model import Judge
-from paco.judge.serve.app import JudgeServer
-from paco.judge.serve.limits import ServerLimits
+from paco.serving.server.app import JudgeServer
+from paco.serving.server.limits import ServerLimits
 
 from judge_server_helpers import NAME, images, request_body
 
@@ -90,8 +92,8 @@ def test_a_judge_with_missing_tensors_is_never_served(tiny_model_dirs, tmp_path)
     'ok' on /health and answered ordinary-looking scores; now the server exits naming it."""
     gone = _judge_without(tiny_model_dirs["judge_base"], tmp_path / "judge", extra=True)
     log = tmp_path / "server.log"
-    with pytest.raises(JudgeError, match="exited with code") as err:
-        with LocalJudgeServer(tmp_path / "judge", NAME, threads=1, log_path=log, startup_timeout_s=120):
+    with pytest.raises(ServedModelError, match="exited with code") as err:
+        with LocalServer(tmp_path / "judge", NAME, threads=1, log_path=log, startup_timeout_s=120):
             pass
     msg = str(err.value)
     assert gone[0].split("model.", 1)[1] in msg and "not_a_layer" in msg and "missing" in msg
@@ -152,7 +154,7 @@ def test_a_loopback_server_answers_only_loopback_host_names(judge):
 
 
 def _cli(args: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "paco.judge.serve", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "paco.serving.server", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
 
 
@@ -161,7 +163,7 @@ def test_a_non_loopback_host_without_a_key_is_refused(tmp_path):
     the model is loaded (unless --allow-unauthenticated says so); the key's variable is named
     in --help, its value never printed."""
     env = {k: v for k, v in os.environ.items() if k != "PACO_JUDGE_API_KEY"}
-    proc = subprocess.run([sys.executable, "-m", "paco.judge.serve", "--model", str(tmp_path / "no-model"),
+    proc = subprocess.run([sys.executable, "-m", "paco.serving.server", "--model", str(tmp_path / "no-model"),
                            "--served-model-name", NAME, "--host", "0.0.0.0", "--port", "0"],
                           capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert proc.returncode == 2, proc.stderr
@@ -259,7 +261,7 @@ class _SchemaSpy:
 
 def test_many_content_parts_are_refused_before_the_body_is_parsed(judge, monkeypatch):
     """The tester's 700,000 text parts (18 MB): refused before pydantic builds anything."""
-    from paco.judge.serve import protocol
+    from paco.serving.server import protocol
 
     monkeypatch.setattr(protocol, "ChatCompletionRequest", _SchemaSpy)
     limits = ServerLimits(max_content_parts=6)
@@ -309,7 +311,7 @@ def test_pixels_per_request_are_bounded_from_the_headers(judge, monkeypatch):
 
 
 def test_the_new_limits_are_server_flags():
-    from paco.judge.serve.cli import argument_parser
+    from paco.serving.server.cli import argument_parser
 
     args = argument_parser().parse_args(["--model", "m", "--served-model-name", "n", "--max-content-parts", "5",
                                          "--max-request-pixels", "1000", "--max-json-values", "300"])
@@ -324,7 +326,7 @@ def test_the_new_limits_are_server_flags():
 def _start(model: Path, tmp_path: Path, env: dict | None = None) -> tuple[subprocess.Popen, int, Path]:
     port_file, log = tmp_path / "port", tmp_path / "server.log"
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "paco.judge.serve", "--model", str(model), "--served-model-name",
+        proc = subprocess.Popen([sys.executable, "-m", "paco.serving.server", "--model", str(model), "--served-model-name",
                                  NAME, "--port", "0", "--port-file", str(port_file), "--threads", "1"],
                                 stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 120

@@ -354,7 +354,7 @@ if sys.argv[1] == "stage":
         assert run("t", ["--params", root + "/params.yaml"], lambda p: None, lambda a, p: {}, description="t") == 0
 elif sys.argv[1] == "judge server":
     import stages  # noqa: F401  (the numeric environment a stage gives the server it starts)
-    from paco.judge.serve.cli import main
+    from paco.serving.server.cli import main
     # no model there: the server logs why and exits 1
     assert main(["--model", root + "/no-model", "--served-model-name", "t", "--port", "0"]) == 1
 print("gc.freeze handlers:", len(freezes), flush=True)

@@ -8,7 +8,7 @@ The judge is ``$PACO_VLLM_JUDGE`` (a merged judge directory, e.g. a paper-scale
 ``data/reward_merge/model``), else the embedded default's ``data/reward_merge/model``, else the
 tiny judge built offline. Both paths score the same pairs: vLLM through
 ``vllm serve <dir> --served-model-name <name>`` and the official client
-(:class:`paco.judge.client.JudgeClient`), transformers in process
+(:class:`paco.serving.judge_client.JudgeClient`), transformers in process
 (:meth:`paco.judge.model.Judge.score`), both in float32. Tolerance: |P_vLLM - P_hf| <= 2e-3
 per pair (different attention kernels and fused ops, float32 accumulation) and the same
 ranking of pairs (Kendall tau >= 0.99). ``benchmarks/bench_vllm.py`` prints the throughput.
@@ -56,7 +56,9 @@ def test_vllm_serves_the_merged_judge_with_the_transformers_scores(tiny_model_di
     pytest.importorskip("vllm", reason="the [gpu] extra (vllm) is not installed")
     from scipy.stats import kendalltau
 
-    from paco.judge.client import JudgeClient, LocalJudgeServer
+    from paco.serving.judge_client import JudgeClient
+
+    from paco.serving.local import LocalServer
     from paco.judge.model import Judge
 
     judge_dir = _judge_dir(tiny_model_dirs)
@@ -65,7 +67,7 @@ def test_vllm_serves_the_merged_judge_with_the_transformers_scores(tiny_model_di
     hf = np.asarray(judge.score(triples))
     # an untrained tiny judge need not rank Yes/No among its top 20 first tokens: ask for all
     top = 20 if judge_dir != tiny_model_dirs["judge_base"] else len(judge.processor.tokenizer)
-    with LocalJudgeServer(judge_dir, "paco-reward", engine="vllm", dtype="float32", startup_timeout_s=900,
+    with LocalServer(judge_dir, "paco-reward", engine="vllm", dtype="float32", startup_timeout_s=900,
                           max_logprobs=top, log_path=tmp_path / "vllm.log") as url:
         served = np.asarray(JudgeClient(url, "paco-reward", concurrency=16, top_logprobs=top).score(triples))
     diff = np.abs(served - hf)

@@ -272,8 +272,9 @@ STAGES += (
         evaluation=tuple(f"grpo.${{key}}.eval.{k}" for k in ("resolution", "num_steps", "split", "max_prompts",
                                                               "batch_size")),
         # judge_endpoint.server.gpus: how the job's GPUs are split (engine and the vLLM flags are not launch-only)
-        launch=("grpo.${key}.resources", "grpo.${key}.rollout.overlap_rewards", "judge_endpoint.server.gpus"),
-        subprocesses=("paco/judge/serve/__main__.py",),
+        launch=("grpo.${key}.resources", "grpo.${key}.rollout.overlap_rewards", "judge_endpoint.server.gpus",
+                "judge_endpoint.server.max_restarts"),
+        subprocesses=("paco/serving/server/__main__.py",),
         stage_plots=(
             {"data/grpo/${key}/plots/train.csv": {"x": "epoch", "y": "reward"}},
             {"data/grpo/${key}/plots/eval.csv": {"x": "epoch", "y": "reward"}},
@@ -301,8 +302,9 @@ STAGES += (
         outs=("data/final_samples/${key}/samples.parquet",),
         out_dirs=("data/final_samples/${key}/sheets",),
         metrics=("data/final_samples/${key}/metrics.json",),
-        launch=("final_samples.${key}.resources", "judge_endpoint.server.gpus"),
-        subprocesses=("paco/judge/serve/__main__.py",),
+        launch=("final_samples.${key}.resources", "judge_endpoint.server.gpus",
+                "judge_endpoint.server.max_restarts"),
+        subprocesses=("paco/serving/server/__main__.py",),
     ),
 )
 
@@ -355,8 +357,9 @@ STAGES += (
         evaluation=tuple(f"benchmark.${{key}}.t2is.{k}" for k in (
             "prompt_alignment", "aesthetics", "aesthetics_clip", "aesthetics_weights", "vqascore_python",
             "vqascore_cache_dir")),
-        launch=("benchmark.${key}.resources", "judge_endpoint.server.gpus"),
-        subprocesses=("paco/judge/serve/__main__.py",),
+        launch=("benchmark.${key}.resources", "judge_endpoint.server.gpus",
+                "judge_endpoint.server.max_restarts"),
+        subprocesses=("paco/serving/server/__main__.py",),
     ),
 )
 

@@ -123,7 +123,7 @@ class Stage:
             identity's training parts; a change re-runs the evaluation on the kept weights.
         launch: dotted params keys that only say how the stage is launched (``resources``).
         subprocesses: project modules the stage starts as processes of their own (the local
-            judge server ``paco/judge/serve/__main__.py``): their import closure is the stage's code too;
+            judge server ``paco/serving/server/__main__.py``): their import closure is the stage's code too;
             its launch command has ``--serves_judge`` (:func:`paco.core.launch.judge_gpu_split`)
             unless ``judge_gpu_split`` is False.
         judge_gpu_split: ``None``: ``--serves_judge`` when the stage has ``subprocesses`` (grpo,

@@ -1,7 +1,7 @@
 """The benchmarks' evaluator client (issue 27, "Evaluator backends"): any OpenAI-compatible chat
 endpoint (vLLM serving Qwen2.5-VL-7B-Instruct, Gemma-3-4B-IT, Qwen2.5-VL-72B-AWQ; GPT-4.1; the
 project's own judge server) asked through the official ``openai`` client on the judge client's
-HTTP machinery (:class:`paco.judge.client.JudgeClient`: one total deadline per attempt, counted
+HTTP machinery (:class:`paco.serving.client.ServedClient`: one total deadline per attempt, counted
 retries of connection errors, 408/409/429/5xx, ``Retry-After``, no redirects), with every answer
 kept in an :class:`~paco.benchmark.answer_cache.AnswerCache`.
 
@@ -9,7 +9,7 @@ Three request kinds, each one user turn of any number of images and one text:
 
 * ``yes_no`` (:meth:`Evaluator.yes_probability`): ``max_tokens`` 1, temperature 0, the first
   token's ``top_logprobs``; the score is ``P(Yes) / (P(Yes) + P(No))``
-  (:func:`paco.judge.client.yes_probability`). T2IS-Bench's official visual-consistency code
+  (:func:`paco.judge.model.yes_probability`). T2IS-Bench's official visual-consistency code
   (chengyou-jia/T2IS ``T2IS_Eval/test_prompt_consistency.py`` lines 147-158, commit
   ``a40b858``) generates one token with Qwen2.5-VL and soft-maxes the two logits of the vocabulary
   ids 2753 and 9454 (Qwen2's tokens ``No`` and ``Yes``, capitalised, no leading space) against
@@ -58,7 +58,8 @@ from PIL import Image
 
 from paco.benchmark.answer_cache import AnswerCache, request_key
 from paco.judge.chat import image_data_url, png_bytes
-from paco.judge.client import JudgeClient, JudgeContextLengthError, JudgeError, yes_probability
+from paco.judge.model import AnswerLogprobsError, yes_probability
+from paco.serving.client import ContextLengthError, ServedClient, ServedModelError
 
 __all__ = [
     "KINDS",
@@ -77,14 +78,14 @@ ImageInput = Image.Image | bytes
 Request = tuple[Sequence[ImageInput], str]
 
 
-class EvaluatorError(JudgeError):
+class EvaluatorError(ServedModelError):
     """An evaluator request failed for good (unreachable, timed out, an HTTP error after the
     retries, a redirect); the message names the evaluator, URL, served model, status and attempts."""
 
 
-class EvaluatorContextLengthError(EvaluatorError, JudgeContextLengthError):
+class EvaluatorContextLengthError(EvaluatorError, ContextLengthError):
     """The evaluator refused a prompt longer than its context (HTTP 400); ``n_tokens`` and
-    ``limit`` as in :class:`paco.judge.client.JudgeContextLengthError`."""
+    ``limit`` as in :class:`paco.serving.judge_client.JudgeContextLengthError`."""
 
 
 class EvaluatorReplyError(EvaluatorError):
@@ -201,19 +202,6 @@ def token_logprobs(answer: dict[str, Any], where: str = "answer") -> dict[str, f
     return {t: lse(v) for t, v in out.items()}
 
 
-class _Client(JudgeClient):
-    """The judge client's requests, retries and errors for any chat completion."""
-
-    def chat_body(self, **params: Any) -> bytes:
-        """The raw body of one ``POST /chat/completions`` with ``params`` (the ``openai`` types
-        would read ``false`` as 0.0); raises :class:`JudgeError` as ``JudgeClient`` does."""
-        def call() -> bytes:
-            raw = self._client.chat.completions.with_raw_response.create(model=self.model, **params)
-            return raw.http_response.content
-
-        return self._request("POST /chat/completions", call)
-
-
 class Evaluator:
     """An OpenAI-compatible evaluator with an answer cache (module docstring: kinds, layout,
     key, errors).
@@ -225,9 +213,11 @@ class Evaluator:
         api_key: ``Authorization: Bearer`` (``None``: the placeholder ``EMPTY``).
         concurrency: requests in flight at once in the batch methods.
         timeout_s: the total time one attempt may take, seconds (> 0).
-        retries: retries of a retryable failure (>= 0), as :class:`~paco.judge.client.JudgeClient`.
+        retries: retries of a retryable failure (>= 0), as :class:`~paco.serving.client.ServedClient`.
+        supervisor: the :class:`~paco.serving.client.Supervisor` of a server the stage started
+            (it restarts one that died); ``None``: a URL.
         top_logprobs: first-token entries asked for by the log-prob kinds (1-20 on vLLM / OpenAI).
-        answer_variants: see :func:`paco.judge.client.yes_probability` (default: exact ``Yes`` /
+        answer_variants: see :func:`paco.judge.model.yes_probability` (default: exact ``Yes`` /
             ``No``, as the official T2IS code).
         cache: an :class:`AnswerCache`, a directory for one (``answers-<cache_part>.jsonl``), or
             ``None`` (in memory only).
@@ -242,10 +232,10 @@ class Evaluator:
 
     def __init__(self, name: str, base_url: str, model: str, *, api_key: str | None = None, concurrency: int = 8,
                  timeout_s: float = 120.0, retries: int = 3, top_logprobs: int = 20, answer_variants: bool = False,
-                 cache: AnswerCache | str | Path | None = None, cache_part: str = "0"):
+                 cache: AnswerCache | str | Path | None = None, cache_part: str = "0", supervisor: Any = None):
         self._setup(name, model, top_logprobs, answer_variants)
-        self._client = _Client(base_url, model, concurrency=concurrency, timeout_s=timeout_s, retries=retries,
-                               top_logprobs=top_logprobs, answer_variants=answer_variants, api_key=api_key)
+        self._client = ServedClient(base_url, model, concurrency=concurrency, timeout_s=timeout_s, retries=retries,
+                                    api_key=api_key, supervisor=supervisor)
         self.base_url, self.concurrency = self._client.base_url, self._client.concurrency
         self.cache = cache if isinstance(cache, AnswerCache) else AnswerCache(cache, part=cache_part)
 
@@ -287,7 +277,7 @@ class Evaluator:
         """Raise :class:`EvaluatorError` unless the server is reachable and serves ``model``."""
         try:
             self._client.check_model()
-        except JudgeError as exc:
+        except ServedModelError as exc:
             raise EvaluatorError(f"evaluator {self.name!r}: {exc}") from None
 
     # ------------------------------------------------------------------ the three kinds
@@ -356,7 +346,7 @@ class Evaluator:
         top = _top_entries(answer.get("top_logprobs"), None, where)
         try:
             return yes_probability(top, answer_variants=self.answer_variants)
-        except JudgeError as exc:
+        except AnswerLogprobsError as exc:
             raise EvaluatorReplyError(f"{where}: {exc}") from None
 
     def pending(self, kind: str, requests: Iterable[Request], *, max_tokens: int | None = None,
@@ -445,11 +435,10 @@ class Evaluator:
             params.update(logprobs=True, top_logprobs=top)
         try:
             body = self._client.chat_body(**params)
-        except JudgeContextLengthError as exc:
-            raise EvaluatorContextLengthError(f"evaluator {self.name!r}: {str(exc).removeprefix('judge ')}",
-                                              exc.n_tokens, exc.limit) from None
-        except JudgeError as exc:
-            raise EvaluatorError(f"evaluator {self.name!r}: {str(exc).removeprefix('judge ')}") from None
+        except ContextLengthError as exc:
+            raise EvaluatorContextLengthError(f"evaluator {self.name!r}: {exc}", exc.n_tokens, exc.limit) from None
+        except ServedModelError as exc:
+            raise EvaluatorError(f"evaluator {self.name!r}: {exc}") from None
         answer = _extract(kind, body, top, self._where(cached=False))
         self.cache.put(request, answer)
         with self._lock:

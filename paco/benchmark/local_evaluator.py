@@ -21,10 +21,10 @@ in one fixed dtype):
   (``torch.topk``) stored as ``[{"token": tokenizer.decode([id]), "logprob"}]``, ``content`` the
   greedy token's text. This is vLLM's default ``logprobs`` (``--logprobs-mode raw_logprobs``: the
   log-softmax of the raw model distribution, before temperature, penalties or other logits
-  processors) and exactly what ``paco.judge.serve`` returns
-  (:meth:`paco.judge.serve.batching.BatchingJudge._score`); vLLM may add the sampled token as an
+  processors) and exactly what ``paco.serving.server`` returns
+  (:meth:`paco.serving.server.batching.BatchingJudge._score`); vLLM may add the sampled token as an
   extra entry, which is then among the top ones anyway. The yes/no score is then
-  ``sigmoid(lse(Yes) - lse(No))`` of those log-probs (:func:`paco.judge.client.yes_probability`),
+  ``sigmoid(lse(Yes) - lse(No))`` of those log-probs (:func:`paco.judge.model.yes_probability`),
   equal to the soft-max of the ``Yes`` / ``No`` logits against each other (T2IS
   ``test_prompt_consistency.py`` lines 147-158) when both are among the top entries.
 * ``reply``: ``model.generate(max_new_tokens=max_tokens, do_sample=False)`` on the model's own

@@ -1,7 +1,7 @@
 """The benchmark stage's evaluators (issue 27, "Evaluator backends"): each an
 :class:`~paco.benchmark.evaluator.Evaluator` on a given URL, or on a server of its model that the
-stage starts itself, exactly as grpo serves its judge (:class:`paco.judge.local_server.LocalJudgeServer`
-with ``judge_endpoint.server``'s engine, dtype and vLLM flags), and only when a question is not in
+stage starts itself, exactly as grpo serves its judge (:class:`paco.serving.local.LocalServer`
+with ``judge_endpoint.server``'s engine, dtype, restarts and vLLM flags: one that dies is restarted), and only when a question is not in
 the answer cache: a rerun whose answers are all cached starts no server and asks nothing.
 
 * :class:`BenchEvaluator`: one evaluator (a column of the benchmark's table) with its cache;
@@ -65,7 +65,7 @@ class BenchEvaluator:
         name: the evaluator's name (its column; the cache part).
         served_model_name: the model name asked for.
         url: its endpoint, or ``None``: the stage serves ``model_dir`` itself with
-            ``server_kwargs`` (:class:`~paco.judge.local_server.LocalJudgeServer`'s keywords),
+            ``server_kwargs`` (:class:`~paco.serving.local.LocalServer`'s keywords),
             started by :meth:`start` or by the first batch that is not all cached.
         client_kwargs: :class:`Evaluator`'s keywords (concurrency, timeout_s, retries,
             top_logprobs, api_key).
@@ -160,12 +160,13 @@ class BenchEvaluator:
         """Start this evaluator's server now (it loads while the caller goes on); nothing for a URL
         evaluator, a started one or a ``transformers`` one (its model loads at its first uncached
         batch: the stage asks in-process evaluators one after the other, never together)."""
-        from paco.judge.local_server import LocalJudgeServer
+        from paco.serving.local import LocalServer
 
         with self._lock:
             if self.url is not None or self._server is not None or self.backend == "transformers":
                 return
-            self._server = LocalJudgeServer(self.model_dir, self.served_model_name, **self._server_kwargs)
+            self._server = LocalServer(self.model_dir, self.served_model_name, error=EvaluatorError,
+                                       **self._server_kwargs)
             self._server.start()
             self.started = True
 
@@ -201,7 +202,7 @@ class BenchEvaluator:
                 except Exception as exc:  # JudgeError: the server did not come up
                     raise EvaluatorError(f"evaluator {self.name!r}: {exc}") from None
                 self._online = Evaluator(self.name, url, self.served_model_name, cache=self.cache,
-                                         **self._client_kwargs)
+                                         supervisor=self._server, **self._client_kwargs)
             return self._online
 
     def yes_probabilities(self, requests: Sequence[Any], *, text_first: bool = False) -> list[float]:

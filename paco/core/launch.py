@@ -37,7 +37,7 @@ final_samples) and a served judge on GPUs of the job (``judge_endpoint.url`` nul
 (:func:`judge_gpu_split`): of the allocation (:func:`visible_gpus`; on a machine without one, every
 GPU ``nvidia-smi`` lists) it takes the first ``gpus`` of the member (a message says so when more are
 visible), gives the first N to the judge (``PACO_JUDGE_DEVICES``, read by
-``paco.grpo.judge_endpoint``) and the rest to the stage's processes (``CUDA_VISIBLE_DEVICES``), one
+``paco.serving.endpoint``) and the rest to the stage's processes (``CUDA_VISIBLE_DEVICES``), one
 each: ``--num_processes`` must equal their count. This is the reference's hand step on one 8-GPU
 node (PaCo-GRPO/README.md §3-4: the vLLM server on ``CUDA_VISIBLE_DEVICES=0``, training on
 ``1,...,7``) done by the job itself.

@@ -331,7 +331,7 @@ def judge_instruction(theme: str | None) -> str:
         whole, as in the reference (``divide_prompt(prompt)[0]``); a theme too long for the
         judge's context is not truncated here but refused when scored
         (:class:`paco.judge.model.JudgeContextError` in process, a 400 /
-        :class:`paco.judge.client.JudgeContextLengthError` when served).
+        :class:`paco.serving.judge_client.JudgeContextLengthError` when served).
     """
     if theme is None or not str(theme).strip():
         return RANK_COT.format()

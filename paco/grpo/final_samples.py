@@ -125,7 +125,7 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
 
     Raises:
         ValueError: no prompt in the split. paco.grpo.rewards.RewardError /
-            paco.judge.client.JudgeError: a reward failed.
+            paco.serving.judge_client.JudgeError: a reward failed.
             paco.grpo.policies.lora_io.LoraLoadError: ``lora_dir`` holds no LoRA of a known layout,
             or one the transformer takes only in part.
     """

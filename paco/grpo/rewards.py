@@ -28,7 +28,7 @@ for_editing    image (first) and the edited one (second) under the semantic-cons
 =============  ===================================================================================
 
 A reward function never hides a failure: an unreachable judge raises
-:class:`paco.judge.client.JudgeError`, and a NaN or infinite value raises
+:class:`paco.serving.judge_client.JudgeError`, and a NaN or infinite value raises
 :class:`RewardError` naming the reward and the sample (:func:`compute_rewards`).
 """
 
@@ -135,7 +135,7 @@ class RewardContext:
 
     Attributes:
         judge: anything with ``score(triples) -> list[float]`` (a
-            :class:`paco.judge.client.JudgeClient`); needed by ``consistency``.
+            :class:`paco.serving.judge_client.JudgeClient`); needed by ``consistency``.
         clip: a :class:`paco.models.clip.ClipScorer`; needed by ``clip_t``.
         pickscore: a :class:`paco.models.clip.ClipScorer` of the PickScore model; needed by
             ``pickscore``.
@@ -161,7 +161,7 @@ class RewardContext:
         ``self``.
 
         Raises:
-            paco.judge.client.JudgeError: the judge is unreachable or serves another model.
+            paco.serving.judge_client.JudgeError: the judge is unreachable or serves another model.
         """
         if self.pending_judge is not None:
             self.judge = self.pending_judge()  # a failure leaves it pending: a retry tries again
@@ -195,7 +195,7 @@ def make_reward_context(params: Params, endpoint: Any, clip_dir: Path, pickscore
 
     Args:
         params: the validated params.
-        endpoint: a :class:`paco.grpo.judge_endpoint.JudgeEndpoint` (its ``url()`` waits for the judge).
+        endpoint: a :class:`paco.serving.endpoint.JudgeEndpoint` (its ``url()`` waits for the judge).
         clip_dir: the CLIP model directory (``models`` stage, role ``clip``).
         pickscore_dir: the PickScore model directory (``models`` stage, role ``pickscore``).
         rewards: the names of the rewards the stage computes (a subtask's ``rewards``).
@@ -203,13 +203,13 @@ def make_reward_context(params: Params, endpoint: Any, clip_dir: Path, pickscore
             ``pickscore_score(device)`` (``rewards.py``); their embeddings come back on CPU.
 
     Raises:
-        paco.judge.client.JudgeError: the judge is unreachable or serves another model.
+        paco.serving.judge_client.JudgeError: the judge is unreachable or serves another model.
         paco.models.loading.ModelDirectoryError: a scorer's directory is missing or incomplete.
         ParamsError: ``judge_endpoint.api_key_env`` names an unset variable.
     """
     import torch
 
-    from paco.judge.client import JudgeClient
+    from paco.serving.judge_client import JudgeClient
     from paco.models.clip import ClipScorer
 
     cfg = params.judge_endpoint
@@ -226,7 +226,8 @@ def make_reward_context(params: Params, endpoint: Any, clip_dir: Path, pickscore
     def judge_client() -> JudgeClient:
         client = JudgeClient(endpoint.url(), cfg.served_model_name, concurrency=cfg.concurrency,
                              timeout_s=cfg.timeout_s, retries=cfg.retries, top_logprobs=cfg.top_logprobs,
-                             answer_variants=cfg.answer_variants, api_key=api_key)
+                             answer_variants=cfg.answer_variants, api_key=api_key,
+                             supervisor=endpoint.supervisor())
         client.check_model()
         return client
 
@@ -271,7 +272,7 @@ def consistency(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], c
     """Mean judge score over all panel pairs of each grid (see the module table).
 
     Returns ``(n,)`` float64 in [0, 1]. Raises :class:`RewardError` for a grid of fewer than two
-    panels, :class:`paco.judge.client.JudgeError` when the judge fails.
+    panels, :class:`paco.serving.judge_client.JudgeError` when the judge fails.
     """
     judge = _need(ctx.judge, "judge", "consistency")
     triples, owner = [], []
@@ -302,7 +303,7 @@ def editing_scores(judge: Any, originals: Sequence[Image.Image], edited: Sequenc
     Raises:
         ValueError: the three sequences differ in length.
         RewardError: the judge returned the wrong number of scores.
-        paco.judge.client.JudgeError: the judge failed (never a default score).
+        paco.serving.judge_client.JudgeError: the judge failed (never a default score).
     """
     if not len(originals) == len(edited) == len(instructions):
         raise ValueError(f"{len(originals)} originals, {len(edited)} edits, {len(instructions)} instructions")
@@ -399,7 +400,7 @@ def compute_rewards(names: Sequence[str], images: Sequence[Image.Image], prompts
         KeyError: an unknown reward name (the message lists the registry).
         RewardError: a reward returned the wrong shape or a non-finite value (the message names
             the reward, the sample index and its prompt).
-        paco.judge.client.JudgeError: the judge failed (never replaced by a default score).
+        paco.serving.judge_client.JudgeError: the judge failed (never replaced by a default score).
     """
     if len(images) != len(prompts):
         raise ValueError(f"{len(images)} images but {len(prompts)} prompts")

@@ -84,7 +84,7 @@ def rollout(run: GrpoRun, epoch: int) -> Rollout:
     one is sampled (:class:`paco.grpo.rewards.OverlappedRewards`).
 
     Raises:
-        paco.grpo.rewards.RewardError, paco.judge.client.JudgeError: a served reward failed.
+        paco.grpo.rewards.RewardError, paco.serving.judge_client.JudgeError: a served reward failed.
     """
     cfg = run.cfg
     chosen = epoch_prompts(run.train_ids, cfg.prompts_per_epoch, cfg.seed, epoch)

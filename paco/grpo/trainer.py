@@ -150,7 +150,7 @@ def train_grpo(
     Raises:
         ValueError: an empty split, too few prompts for ``prompts_per_epoch`` or for the
             gradient steps.
-        paco.grpo.rewards.RewardError, paco.judge.client.JudgeError: a reward failed.
+        paco.grpo.rewards.RewardError, paco.serving.judge_client.JudgeError: a reward failed.
         FloatingPointError: a non-finite loss.
     """
     t_start = time.perf_counter()
@@ -339,7 +339,7 @@ def reward(run: GrpoRun, roll: Rollout) -> dict[str, np.ndarray]:
     during the rollout (``roll.served``) are taken from there.
 
     Raises:
-        paco.grpo.rewards.RewardError, paco.judge.client.JudgeError: a reward failed.
+        paco.grpo.rewards.RewardError, paco.serving.judge_client.JudgeError: a reward failed.
         RuntimeError: the gathered rewards do not cover the epoch exactly once.
     """
     cfg = run.cfg

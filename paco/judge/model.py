@@ -11,7 +11,7 @@ from the first-token logits. ``answer_variants=True`` is the reference's ``canon
 ``P(Yes)`` and ``P(No)`` are the summed probabilities of every token whose text, stripped of
 surrounding whitespace and lower-cased, is ``yes`` / ``no`` (:func:`canonical_answer`). The
 reference sums over the ``top_logprobs`` (20) of a served reply, which is what
-:func:`paco.judge.client.yes_probability` does; in process (:class:`Judge`) the whole vocabulary
+:func:`yes_probability` does; in process (:class:`Judge`) the whole vocabulary
 is available and every such token is summed. Training targets are ``Yes. <reason>...</reason>``
 / ``No. ...`` (:func:`paco.judge.response.format_response`), so the answer is the first response
 token; :func:`check_answer_tokens` rejects a tokenizer for which that does not hold.
@@ -27,6 +27,7 @@ retries, silently. We fail instead.)
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,65 @@ def canonical_answer(text: Any) -> str | None:
         return None
     word = text.strip().lower()
     return YES if word == "yes" else NO if word == "no" else None
+
+
+class AnswerLogprobsError(ValueError):
+    """First-token ``top_logprobs`` from which no score can be computed (neither answer among
+    them, or an entry that is not a token with a finite log-probability <= 0)."""
+
+
+def yes_probability(top_logprobs: Sequence[dict[str, Any]], *, answer_variants: bool = False) -> float:
+    """``P(Yes) / (P(Yes) + P(No))`` from one position's ``top_logprobs`` entries.
+
+    Args:
+        top_logprobs: ``[{"token": str, "logprob": float}, ...]`` (OpenAI / vLLM layout).
+        answer_variants: the reference's ``canonicalize=True``: ``P(Yes)`` / ``P(No)`` sum the
+            probabilities of every entry whose token, stripped and lower-cased, is ``yes`` /
+            ``no`` (:func:`paco.judge.model.canonical_answer`; ``" yes"``, ``"YES\\n"`` count,
+            ``"Yes."`` does not). Off: only the exact tokens ``Yes`` and ``No``.
+
+    Returns:
+        A float in [0, 1], computed in log space (``sigmoid(lse(yes) - lse(no))``; equal to the
+        reference's ``sum(exp) / (sum(exp) + sum(exp))`` in float64 up to rounding). Each entry
+        counts once (the reference keys a dict by token text, so of two entries with the same
+        text it keeps the last; distinct token ids of a byte-level vocabulary have distinct
+        texts).
+
+    Raises:
+        AnswerLogprobsError: neither answer is among the tokens, an entry is not ``{"token": str,
+            "logprob": number}``, or a log-prob is a bool, NaN, infinite or above 0 (no slack: a
+            float log-softmax is <= 0, its sum's largest term being exactly 1; a positive value
+            means logits, e.g. vLLM's ``--logprobs-mode raw_logits``).
+    """
+    yes, no = [], []
+    for entry in top_logprobs:
+        if not isinstance(entry, dict):
+            raise AnswerLogprobsError(f"invalid top_logprobs entry {entry!r:.100} (not an object)")
+        token, lp = entry.get("token"), entry.get("logprob")
+        if not isinstance(token, str):
+            raise AnswerLogprobsError(f"invalid token {token!r:.100} in a top_logprobs entry (not a string)")
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 0:
+            raise AnswerLogprobsError(f"invalid logprob {lp!r:.100} for token {token!r:.100} (a log-probability is a "
+                             "finite number <= 0)")
+        word = canonical_answer(token) if answer_variants else token if token in (YES, NO) else None
+        if word == YES:
+            yes.append(float(lp))
+        elif word == NO:
+            no.append(float(lp))
+    if not yes and not no:
+        shown = [e.get("token") for e in top_logprobs][:8]
+        raise AnswerLogprobsError(f"neither {YES!r} nor {NO!r} among the {len(top_logprobs)} top first tokens {shown}")
+    if not no:
+        return 1.0
+    if not yes:
+        return 0.0
+
+    def lse(v: list[float]) -> float:
+        m = max(v)
+        return m + math.log(sum(math.exp(x - m) for x in v))
+
+    d = lse(yes) - lse(no)
+    return 1.0 / (1.0 + math.exp(-d)) if d >= 0 else math.exp(d) / (1.0 + math.exp(d))
 
 
 class JudgeTokenizerError(ValueError):

@@ -210,13 +210,34 @@ def _from_pretrained_checked(cls: Any, path: Path, what: str, **kwargs: Any) -> 
 # --------------------------------------------------------------------------------------------
 
 
+#: the image processor's keys a Qwen2.5-VL video processor shares (transformers'
+#: ``Qwen2VLVideoProcessor``: frames are resized, rescaled, normalised and patched as images are)
+VIDEO_PROCESSOR_SHARED_KEYS = ("size", "do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor",
+                               "do_normalize", "image_mean", "image_std", "patch_size", "temporal_patch_size",
+                               "merge_size", "min_pixels", "max_pixels")
+
+
+def video_processor_entry(image_processor: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``video_processor`` entry of a saved ``processor_config.json``: the image processor's
+    settings (:data:`VIDEO_PROCESSOR_SHARED_KEYS` it has) with ``video_processor_type:
+    Qwen2VLVideoProcessor``, every other key the class default. The judge never sends a video; the
+    entry is there so that the directory has the stock layout: transformers' ``AutoProcessor``
+    (where torchvision is installed) and vLLM build ``Qwen2_5_VLProcessor`` with a video processor
+    and refuse a directory without its config (``OSError: Can't load video processor``). Built
+    from the image processor's dict, so writing it needs no torchvision."""
+    entry = {k: image_processor[k] for k in VIDEO_PROCESSOR_SHARED_KEYS if k in image_processor}
+    entry["video_processor_type"] = "Qwen2VLVideoProcessor"
+    return entry
+
+
 class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
     """``Qwen2_5_VLProcessor`` without a video processor (works without torchvision).
 
     Takes exactly ``image_processor`` (``Qwen2VLImageProcessorPil``) and ``tokenizer``
     (``Qwen2Tokenizer``) plus an optional ``chat_template``. Calling it with ``videos=`` is an
-    error. ``save_pretrained`` writes ``processor_class: "Qwen2_5_VLProcessor"`` so the saved
-    directory has the stock layout (``AutoProcessor`` loads it where torchvision exists);
+    error. ``save_pretrained`` writes ``processor_class: "Qwen2_5_VLProcessor"`` and a
+    ``video_processor`` entry (:func:`video_processor_entry`) so the saved directory has the stock
+    layout (``AutoProcessor`` and vLLM load it where torchvision exists);
     :func:`load_qwen_vl_processor` always reloads it with this class.
     """
 
@@ -237,6 +258,7 @@ class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out["processor_class"] = "Qwen2_5_VLProcessor"
+        out["video_processor"] = video_processor_entry(out["image_processor"])
         return out
 
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):

@@ -210,7 +210,8 @@ def check_benchmark(params: object) -> None:
     (called by its validator): each ``benchmark.<k>`` is a ``final_samples.<k>`` of the same
     ``dataset`` whose ``seeds_per_prompt`` it does not exceed; an evaluator's (and
     ``t2is.aesthetics_clip``'s / ``aesthetics_weights``') ``data/models/<role>`` is a ``models`` role; a member that serves an evaluator with
-    ``judge_endpoint.server.engine: vllm`` has ``resources.gpus`` >= ``max(judge_endpoint.server.gpus, 1)``
+    ``judge_endpoint.server.engine: vllm`` on GPUs (a ``device`` other than ``cpu``) has ``resources.gpus`` >=
+    ``max(judge_endpoint.server.gpus, 1)``
     (the evaluators are served one after the other on the member's own GPUs).
 
     Raises:
@@ -242,7 +243,7 @@ def check_benchmark(params: object) -> None:
                 raise ValueError(f"benchmark.{key}.t2is.{field} {getattr(cfg.t2is, field)!r}: {role[1]!r} is not a "
                                  f"models role {sorted(roles)}")
         need = max(server.gpus, 1)
-        if served and server.engine == "vllm" and cfg.resources.gpus < need:
+        if served and server.engine == "vllm" and server.device != "cpu" and cfg.resources.gpus < need:
             raise ValueError(f"benchmark.{key}.resources.gpus {cfg.resources.gpus}: {need} needed to serve an "
                              f"evaluator with judge_endpoint.server.engine vllm (tensor parallel over "
                              f"max(judge_endpoint.server.gpus, 1)); or give the evaluators urls")

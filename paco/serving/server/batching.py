@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("paco.judge.serve")
+log = logging.getLogger("paco.serving.server")
 
 #: ``--batching`` modes (see the module docstring).
 BATCHING_MODES = ("auto", "same_shape", "single", "dynamic")

@@ -1,17 +1,61 @@
 """How PaCo-GRPO and final sampling reach the PaCo-Reward judge (the ``judge_endpoint:`` params section):
-the served judge's URL for a stage's lifetime (``judge_endpoint.url``, or a local ``python -m paco.judge.serve``
-or vLLM server of the merged judge, on GPUs of the stage's own job with ``judge_endpoint.server.gpus``).
-The reward context built on it is :func:`paco.grpo.rewards.make_reward_context`.
+the served judge's URL for a stage's lifetime (``judge_endpoint.url``, or a local ``python -m paco.serving.server``
+or vLLM server of the merged judge, on the CPU or on GPUs of the stage's own job with
+``judge_endpoint.server.gpus``), and the supervisor its clients report a dead server to. The reward
+context built on it is :func:`paco.grpo.rewards.make_reward_context`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from pathlib import Path
 
 from paco.core.io import ArtifactError
 from paco.core.params import Params
+
+log = logging.getLogger("paco.serving.endpoint")
+
+
+class HealthWait:
+    """The supervisor of the processes that share a node's judge server but did not start it: after
+    a request got no HTTP response it waits, up to ``timeout_s``, for the server at ``url`` to
+    answer ``/health`` again (its owner restarts it on the same port, :class:`LocalServer`).
+
+    ``generation`` counts the outages it saw end; :meth:`recover` is ``True`` when the server had
+    stopped answering and answers again, ``False`` when it answered at once (the request's own
+    retries go on) or never came back within ``timeout_s`` (they go on, and fail)."""
+
+    def __init__(self, url: str, model: str, timeout_s: float):
+        self.url, self.model, self.timeout_s = url, model, float(timeout_s)
+        self.generation = 0
+
+    def _healthy(self) -> bool:
+        from paco.serving.client import ServedClient, ServedModelError
+
+        client = ServedClient(self.url, self.model, retries=0, timeout_s=5.0)
+        try:
+            return client.health().get("status") == "ok"
+        except ServedModelError:
+            return False
+        finally:
+            client.close()
+
+    def recover(self, generation: int) -> bool:
+        if generation != self.generation:
+            return True
+        if self._healthy():
+            return False
+        end = time.monotonic() + self.timeout_s
+        while time.monotonic() < end:
+            time.sleep(1.0)
+            if self._healthy():
+                self.generation += 1
+                log.warning("judge server at %s answers again", self.url)
+                return True
+        return False
 
 
 class JudgeEndpoint:
@@ -21,18 +65,30 @@ class JudgeEndpoint:
     URLs, or a start-up error, are gathered from every node's local main process; each process takes
     its own node's, and every process raises an error of any node)."""
 
-    def __init__(self, accelerator, *, url: str | None = None, server=None):
+    def __init__(self, accelerator, *, url: str | None = None, server=None, startup_timeout_s: float | None = None):
         self._accelerator = accelerator
         self._url = url  # set once known on this process (gathered from its node's local main one)
         self._server = server
+        self._startup_timeout_s = startup_timeout_s  # None: a URL endpoint (nobody restarts it)
+
+    def supervisor(self):
+        """What this process's judge clients report a server that stopped answering to (call after
+        :meth:`url`): the local server itself on the process that started it (it restarts it), a
+        :class:`HealthWait` on the other processes of its node, ``None`` for ``judge_endpoint.url``
+        (its requests keep their retries)."""
+        if self._server is not None:
+            return self._server
+        if self._startup_timeout_s is None:
+            return None
+        return HealthWait(self.url(), "judge", self._startup_timeout_s)
 
     def url(self) -> str:
         """The judge's base URL (``http://host:port/v1``).
 
         Raises:
-            paco.judge.client.JudgeError: the local server did not come up (on every process).
+            paco.serving.judge_client.JudgeError: the local server did not come up (on every process).
         """
-        from paco.judge.client import JudgeError
+        from paco.serving.judge_client import JudgeError
 
         if self._url is not None:
             return self._url
@@ -64,7 +120,7 @@ class JudgeEndpoint:
 def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path | None,
                    log_name: str = "judge_server.log"):
     """Yield the stage's :class:`JudgeEndpoint`: ``judge_endpoint.url``, or a local judge server
-    (``judge_endpoint.server.engine``: ``paco.judge.serve`` or vLLM, :class:`LocalJudgeServer`) that
+    (``judge_endpoint.server.engine``: ``paco.serving.server`` or vLLM, :class:`LocalServer`) that
     the main process starts now and stops on exit, logging to ``log_dir/log_name`` (grpo: its
     persisted checkpoints directory, so the server log of every run is kept; final_samples:
     ``logs/final_samples_<k>.judge_server.log``; ``None``: a temp file). The server loads while
@@ -75,14 +131,17 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
     vLLM's tensor parallelism over N), and the stage's processes on the rest. On several machines
     each node's local main process starts a replica on its own node (log ``log_name`` with
     ``.node<R>`` before its suffix on node R > 0); with ``engine: paco`` the replicas give the same
-    scores (batch-invariant, same weights), so the bytes do not depend on the node count.
+    scores (batch-invariant, same weights), so the bytes do not depend on the node count. A local
+    server that dies is restarted on its port (``judge_endpoint.server.max_restarts``;
+    :meth:`JudgeEndpoint.supervisor`).
 
     Raises:
         ArtifactError: no judge model in ``judge_dir`` (and no ``judge_endpoint.url``); or
             ``server.gpus`` > 0 but no ``PACO_JUDGE_DEVICES`` (the stage was not started by
             ``paco.core.launch --serves_judge``).
     """
-    from paco.judge.local_server import LocalJudgeServer, server_options
+    from paco.serving.judge_client import JudgeError
+    from paco.serving.local import LocalServer, server_options
 
     cfg = params.judge_endpoint
     if cfg.url:
@@ -101,13 +160,13 @@ def judge_endpoint(params: Params, judge_dir: Path, accelerator, log_dir: Path |
     if node > 0:
         log_name = f"{Path(log_name).stem}.node{node}{Path(log_name).suffix}"
     if accelerator.is_local_main_process:  # one server per node
-        server = LocalJudgeServer(judge_dir, cfg.served_model_name, visible_devices=devices,
-                                  **server_options(s, request_timeout_s=cfg.timeout_s),
-                                  log_path=log_dir / log_name if log_dir else None)
+        server = LocalServer(judge_dir, cfg.served_model_name, visible_devices=devices, error=JudgeError,
+                             **server_options(s, request_timeout_s=cfg.timeout_s),
+                             log_path=log_dir / log_name if log_dir else None)
     try:
         if server is not None:
             server.start()
-        yield JudgeEndpoint(accelerator, server=server)
+        yield JudgeEndpoint(accelerator, server=server, startup_timeout_s=s.startup_timeout_s)
     finally:
         accelerator.wait_for_everyone()
         if server is not None:

@@ -15,10 +15,10 @@ first-position logits, float32), as vLLM returns them. Only first-token scoring 
 
 Before the body is parsed, its JSON is scanned without building anything (:func:`scan_json`);
 both images' sizes are read from their headers and bounded, alone and together, before either
-is decoded (:class:`paco.judge.serve.limits.ServerLimits`).
+is decoded (:class:`paco.serving.server.limits.ServerLimits`).
 
 Errors are OpenAI error objects (``{"error": {"message", "type", "param", "code"}}``,
-:func:`error_body`); which status each failure gets is :mod:`paco.judge.serve.app`'s.
+:func:`error_body`); which status each failure gets is :mod:`paco.serving.server.app`'s.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from paco.core.caching import BytesLRU
 from paco.core.io import ImageDecodeError, render_rgb
 
 if TYPE_CHECKING:
-    from paco.judge.serve.batching import BatchingJudge
+    from paco.serving.server.batching import BatchingJudge
 
 #: The largest ``top_logprobs`` accepted by default (vLLM's default ``--max-logprobs``).
 MAX_TOP_LOGPROBS = 20

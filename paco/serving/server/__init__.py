@@ -9,7 +9,7 @@ the same protocol on a transformers backend, for CPUs, single GPUs and tests::
 
     paco-serve-judge --model data/reward_merge/model --served-model-name paco-reward --port 8000
 
-(``python -m paco.judge.serve`` takes the same flags). Endpoints: ``POST /v1/chat/completions``
+(``python -m paco.serving.server`` takes the same flags). Endpoints: ``POST /v1/chat/completions``
 (first-token scoring of one ``[image A, image B, text]`` message, with ``top_logprobs``),
 ``GET /v1/models`` and ``GET /health``. With the default ``--batching auto`` (= ``single``) every
 request gets a forward pass of its own, so its log-probs are bit-identical however requests
@@ -23,19 +23,19 @@ must be ``application/json``. The model is served only if its weights are exactl
 
 Modules, in the order a request meets them:
 
-* :mod:`paco.judge.serve.guard` -- the ``Host``, API-key and ``Content-Type`` checks before any
+* :mod:`paco.serving.server.guard` -- the ``Host``, API-key and ``Content-Type`` checks before any
   route, and the listening socket.
-* :mod:`paco.judge.serve.protocol` -- the wire format: the OpenAI request schema (pydantic) and
+* :mod:`paco.serving.server.protocol` -- the wire format: the OpenAI request schema (pydantic) and
   its parsing, the images of ``data:`` URLs, the ``chat.completion`` reply and the OpenAI error
   object.
-* :mod:`paco.judge.serve.limits` -- :class:`~paco.judge.serve.limits.ServerLimits`, what one
+* :mod:`paco.serving.server.limits` -- :class:`~paco.serving.server.limits.ServerLimits`, what one
   request may cost before the model sees it.
-* :mod:`paco.judge.serve.preparation` -- the request path on the server's thread pool: parse,
+* :mod:`paco.serving.server.preparation` -- the request path on the server's thread pool: parse,
   decode (cached), bound the context and encode (per-image feature cache).
-* :mod:`paco.judge.serve.batching` -- the one worker thread that owns the model and the
+* :mod:`paco.serving.server.batching` -- the one worker thread that owns the model and the
   ``--batching`` modes.
-* :mod:`paco.judge.serve.app` -- the FastAPI app (endpoints, errors, in-flight bound) and
-  :class:`~paco.judge.serve.app.JudgeServer`, the app on uvicorn.
-* :mod:`paco.judge.serve.cli` -- the command line (``main``) and the process lifetime
-  (``--parent-pid``, SIGTERM / SIGINT / SIGHUP); ``python -m paco.judge.serve`` runs it.
+* :mod:`paco.serving.server.app` -- the FastAPI app (endpoints, errors, in-flight bound) and
+  :class:`~paco.serving.server.app.JudgeServer`, the app on uvicorn.
+* :mod:`paco.serving.server.cli` -- the command line (``main``) and the process lifetime
+  (``--parent-pid``, SIGTERM / SIGINT / SIGHUP); ``python -m paco.serving.server`` runs it.
 """

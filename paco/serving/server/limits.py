@@ -48,7 +48,7 @@ class ServerLimits:
         request_timeout_s: longest wait for a request's score once queued (s), then a 503.
         stall_s: a forward pass running longer than this makes ``/health`` report ``stalled``.
         feature_cache_bytes: bound on the per-image feature cache
-            (:class:`paco.judge.serve.preparation.ImageFeatureCache`); a quarter of it again
+            (:class:`paco.serving.server.preparation.ImageFeatureCache`); a quarter of it again
             bounds the decoded-image cache. 0 disables both.
         prepare_threads: threads reading, decoding and encoding requests (each holds a copy of
             the tokenizer).

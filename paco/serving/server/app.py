@@ -4,7 +4,7 @@
 Endpoints:
 
 * ``POST /v1/chat/completions`` -- first-token scoring in the OpenAI format
-  (:mod:`paco.judge.serve.protocol`).
+  (:mod:`paco.serving.server.protocol`).
 * ``GET /v1/models`` -- the served model name and its ``max_model_len``.
 * ``GET /health`` -- the worker's real state: 200 ``{"status": "ok", ...}`` while the batching
   worker is alive and no forward pass has run longer than ``--stall-s``; otherwise 503 with
@@ -13,12 +13,12 @@ Endpoints:
   ``rejected`` (limits and overload), ``in_flight``, ``queued``.
 
 A request's body is read here, prepared on the server's thread pool
-(:mod:`paco.judge.serve.preparation`), scored by the worker (:mod:`paco.judge.serve.batching`);
-what it may cost is bounded by :class:`paco.judge.serve.limits.ServerLimits`. Before any route,
-:class:`paco.judge.serve.guard.RequestGuard` checks ``Host`` (DNS rebinding), the API key and
+(:mod:`paco.serving.server.preparation`), scored by the worker (:mod:`paco.serving.server.batching`);
+what it may cost is bounded by :class:`paco.serving.server.limits.ServerLimits`. Before any route,
+:class:`paco.serving.server.guard.RequestGuard` checks ``Host`` (DNS rebinding), the API key and
 ``Content-Type``.
 
-Errors are OpenAI error objects (:func:`paco.judge.serve.protocol.error_body`): a malformed
+Errors are OpenAI error objects (:func:`paco.serving.server.protocol.error_body`): a malformed
 request is a 400 with the reason, an unknown model name a 404 (vLLM's behaviour), an input the
 judge's processor refuses (``ValueError``, e.g. an extreme aspect ratio) a 400 for that request
 only. A request whose client disconnects while it waits is dropped from the queue (not computed;
@@ -49,13 +49,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from paco.judge.model import JudgeContextError
-from paco.judge.serve.batching import BatchingJudge
-from paco.judge.serve.guard import RequestGuard, is_loopback_name, listen_socket
-from paco.judge.serve.limits import ServerLimits
-from paco.judge.serve.preparation import RequestPreparer
-from paco.judge.serve.protocol import MAX_TOP_LOGPROBS, BadRequest, completion_response, error_body
+from paco.serving.server.batching import BatchingJudge
+from paco.serving.server.guard import RequestGuard, is_loopback_name, listen_socket
+from paco.serving.server.limits import ServerLimits
+from paco.serving.server.preparation import RequestPreparer
+from paco.serving.server.protocol import MAX_TOP_LOGPROBS, BadRequest, completion_response, error_body
 
-log = logging.getLogger("paco.judge.serve")
+log = logging.getLogger("paco.serving.server")
 
 
 class _ReadTimeout(Exception):
@@ -226,7 +226,7 @@ def make_app(judge: Any, served_model_name: str, *, max_batch_size: int = 16, ma
     """The FastAPI app serving ``judge``; ``app.state.batcher`` holds the worker and its counters
     (call ``app.state.batcher.close()`` when done), ``app.state.stats`` the request counters.
 
-    ``api_key`` and ``check_host`` are :class:`paco.judge.serve.guard.RequestGuard`'s (the
+    ``api_key`` and ``check_host`` are :class:`paco.serving.server.guard.RequestGuard`'s (the
     ``Content-Type`` check is always on).
 
     Raises:
@@ -304,15 +304,15 @@ class JudgeServer:
         judge, served_model_name, max_batch_size, max_wait_ms, max_logprobs, batching, limits:
             see :func:`make_app`.
         host, port: where to listen; a loopback ``host`` turns the ``Host`` check on
-            (:mod:`paco.judge.serve.guard`).
+            (:mod:`paco.serving.server.guard`).
         api_key: the key the ``/v1`` routes need (``None``: none).
-        sock: a socket already listening on ``host`` (:func:`paco.judge.serve.guard.listen_socket`;
+        sock: a socket already listening on ``host`` (:func:`paco.serving.server.guard.listen_socket`;
             ``port`` is then its port); ``None``: bound here.
         backlog: the listen backlog (connections waiting to be accepted).
         max_connections: uvicorn's ``limit_concurrency`` (a 503 above it).
 
     Raises:
-        paco.judge.serve.guard.ListenError: ``host:port`` cannot be listened on.
+        paco.serving.server.guard.ListenError: ``host:port`` cannot be listened on.
     """
 
     def __init__(self, judge: Any, served_model_name: str, host: str = "127.0.0.1", port: int = 0, *,

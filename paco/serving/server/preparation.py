@@ -2,14 +2,14 @@
 the worker's input, and :class:`ImageFeatureCache` keeps the image features a grid's recurring
 panels hit.
 
-The handler (asyncio, :mod:`paco.judge.serve.app`) reads the body under a size bound and a
+The handler (asyncio, :mod:`paco.serving.server.app`) reads the body under a size bound and a
 per-read timeout, then, on a thread of the server's pool, scans its JSON (size bounds, nothing
 built), validates it, decodes both images (each in the format its data URL declares; the pixel
 bounds, per image and per request, checked from the headers before decoding), bounds the
 instruction's tokens and encodes the request with the judge's processor
 (:meth:`paco.judge.model.Judge.encode`, whose exact prompt length is checked against the
 context). Only then is it queued for the one worker
-thread that owns the model (:class:`paco.judge.serve.batching.BatchingJudge`), so the worker does
+thread that owns the model (:class:`paco.serving.server.batching.BatchingJudge`), so the worker does
 nothing but forward passes and the CPU-bound preparation of the next requests overlaps them.
 """
 
@@ -23,8 +23,8 @@ import torch
 
 from paco.core.caching import BytesLRU
 from paco.judge.model import JudgeContextError, check_context, encode_prompts
-from paco.judge.serve.limits import ServerLimits
-from paco.judge.serve.protocol import IMAGE_KEY, _DecodedImages, parse_chat_request
+from paco.serving.server.limits import ServerLimits
+from paco.serving.server.protocol import IMAGE_KEY, _DecodedImages, parse_chat_request
 
 
 class ImageFeatureCache:

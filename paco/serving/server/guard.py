@@ -16,7 +16,7 @@ In order, for every request:
   the server first only as ``text/plain``, a form or multipart; JSON needs a CORS preflight,
   which this server does not grant.
 
-Refusals are OpenAI error objects (:func:`paco.judge.serve.protocol.error_body`).
+Refusals are OpenAI error objects (:func:`paco.serving.server.protocol.error_body`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from paco.judge.serve.protocol import error_body
+from paco.serving.server.protocol import error_body
 
 #: the environment variable read when ``--api-key`` is not given
 API_KEY_ENV = "PACO_JUDGE_API_KEY"

@@ -1,4 +1,4 @@
-"""The judge server's command line (``paco-serve-judge`` / ``python -m paco.judge.serve``,
+"""The judge server's command line (``paco-serve-judge`` / ``python -m paco.serving.server``,
 :func:`main`) and its process lifetime.
 
 Start-up, in order: the flags (a non-loopback ``--host`` needs an API key, or
@@ -8,7 +8,7 @@ log line naming the cause, exit code 2 (flags) or 1, no traceback.
 
 Lifetime: ``--parent-pid PID`` makes the server shut down when that process is gone (checked
 every half second, :func:`watch_parent`), so a trainer killed with SIGKILL leaves no judge server
-behind (:class:`paco.judge.client.LocalJudgeServer` passes its own pid). SIGTERM, SIGINT and
+behind (:class:`paco.serving.local.LocalServer` passes its own pid). SIGTERM, SIGINT and
 SIGHUP shut down gracefully (the requests in flight are answered), with a log line, exit code 0;
 while the model loads they stop the start-up the same way.
 """
@@ -27,14 +27,14 @@ import torch
 
 from paco.core.numerics import fix_numerics_env, loaded_too_late
 from paco.core.teardown import freeze_heap_at_exit
-from paco.judge import serve as package
-from paco.judge.serve.app import SHUTDOWN_SIGNALS, JudgeServer
-from paco.judge.serve.batching import BATCHING_MODES
-from paco.judge.serve.guard import API_KEY_ENV, ListenError, is_loopback_name, listen_socket
-from paco.judge.serve.limits import ServerLimits
-from paco.judge.serve.protocol import MAX_TOP_LOGPROBS
+from paco.serving import server as package
+from paco.serving.server.app import SHUTDOWN_SIGNALS, JudgeServer
+from paco.serving.server.batching import BATCHING_MODES
+from paco.serving.server.guard import API_KEY_ENV, ListenError, is_loopback_name, listen_socket
+from paco.serving.server.limits import ServerLimits
+from paco.serving.server.protocol import MAX_TOP_LOGPROBS
 
-log = logging.getLogger("paco.judge.serve")
+log = logging.getLogger("paco.serving.server")
 
 
 def watch_parent(parent_pid: int, on_exit, interval_s: float = 0.5) -> threading.Thread:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else list(argv)
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "paco.judge.serve", *argv])
+        os.execv(sys.executable, [sys.executable, "-m", "paco.serving.server", *argv])
     parser = argument_parser()
     args = parser.parse_args(argv)
     freeze_heap_at_exit()  # the stage that started this server waits for its exit
