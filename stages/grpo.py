@@ -76,14 +76,16 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
                                       device=accelerator.device, connect=False)
             out = train_grpo(cfg, prompts, args.policy, ctx, identity=identity, lora_dir=args.lora,
                              checkpoints_dir=args.checkpoints, plots_dir=args.plots, accelerator=accelerator)
+            restarts = endpoint.restarts
     except (JudgeError, RewardError) as exc:
         # a judge or reward failure is fatal: no reward is ever made up (exit code 2, clear message)
         raise ArtifactError(f"grpo@{args.subtask}: {exc}") from exc
     report = out["report"]
     report["subtask"] = args.subtask
     endpoint = params.judge_endpoint
-    report["judge"] = {"url": endpoint.url or "local paco.serving.server", "model": endpoint.served_model_name,
-                       "requests": ctx.judge.requests}
+    report["judge"] = {"url": endpoint.url or f"local {endpoint.server.engine} server",
+                       "model": endpoint.served_model_name, "requests": ctx.judge.requests,
+                       "server_restarts": restarts}
     if not accelerator.is_main_process:
         args.metrics = None
     else:

@@ -5,6 +5,8 @@ that need a clone but not this repro are in tests/test_pipeline_clones.py."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -334,3 +336,59 @@ def test_snakemake_runs_the_same_stages_with_identical_outputs(dvc_repo, tmp_pat
     for role in ("judge_base", "policy_t2is", "clip"):
         for f in sorted((dvc_dir / "data/models" / role).rglob("*.safetensors")):
             assert md5(repo / f.relative_to(dvc_dir)) == md5(f), f
+
+
+def _judge_server_pid(repo: Path, timeout_s: float = 300.0) -> int:
+    """The pid of the project's judge server a stage in ``repo`` started (its working directory
+    is ``repo``: other tests' stages run elsewhere), once its log says it serves."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for proc in Path("/proc").iterdir():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"paco.serving.server" in cmd and Path(os.readlink(proc / "cwd")) == repo:
+                    return int(proc.name)
+            except (OSError, ValueError):
+                continue
+        time.sleep(0.5)
+    raise AssertionError(f"no judge server of {repo} within {timeout_s:g} s")
+
+
+def test_a_judge_server_killed_mid_stage_is_restarted_and_the_bytes_are_unchanged(dvc_repo):
+    """SIGKILL the judge server 20 s after it starts serving grpo@qwen_editing (trained from scratch:
+    its checkpoints removed): the stage restarts it on its port, asks the requests in flight again
+    and writes the bytes of the uninterrupted run (the module's first ``dvc repro``)."""
+    import signal
+    import threading
+    import time
+
+    repo, _ = dvc_repo
+    outs = ["data/grpo/qwen_editing/lora/pytorch_lora_weights.safetensors", "data/grpo/qwen_editing/metrics.json",
+            "data/grpo/qwen_editing/plots/train.csv", "data/grpo/qwen_editing/plots/eval.csv"]
+    before = {p: md5(repo / p) for p in outs}
+    shutil.rmtree(repo / "data/grpo/qwen_editing/checkpoints")
+    log = repo / "data/grpo/qwen_editing/checkpoints/judge_server.log"
+    killed: list[int] = []
+
+    def kill() -> None:
+        pid = _judge_server_pid(repo)
+        end = time.monotonic() + 300
+        while time.monotonic() < end and "serving" not in (log.read_text() if log.is_file() else ""):
+            time.sleep(0.5)
+        time.sleep(20)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    out = sh([sys.executable, "-m", "dvc", "repro", "-f", "-s", "--no-run-cache", "grpo@qwen_editing"], repo)
+    killer.join(timeout=5)
+    assert killed, "the judge server was not killed"
+    assert ran_stages(out) == ["grpo@qwen_editing"]
+    rep = report(repo, "grpo/qwen_editing")
+    assert rep["judge"]["server_restarts"] == 1 and rep["epochs_this_run"] == rep["epochs"], rep["judge"]
+    assert "exited with code -9; restart 1 of 2" in log.read_text()
+    assert not log.with_name(log.name + ".port").exists()
+    assert {p: md5(repo / p) for p in outs} == before

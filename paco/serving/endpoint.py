@@ -71,6 +71,12 @@ class JudgeEndpoint:
         self._server = server
         self._startup_timeout_s = startup_timeout_s  # None: a URL endpoint (nobody restarts it)
 
+    @property
+    def restarts(self) -> int:
+        """How many times this process restarted the local server (0 for a URL, or on a process
+        that did not start it)."""
+        return self._server.restarts if self._server is not None else 0
+
     def supervisor(self):
         """What this process's judge clients report a server that stopped answering to (call after
         :meth:`url`): the local server itself on the process that started it (it restarts it), a
