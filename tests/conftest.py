@@ -73,9 +73,10 @@ def dead_url() -> str:
 
 #: test files that run longest, started first (in this order): with ``-n 2`` (the README's test
 #: command; ``--dist loadfile --no-loadscope-reorder`` in pyproject.toml) one worker takes the
-#: fresh-clone ``dvc repro`` of test_pipeline.py while the other runs the SLURM tests and then
-#: every other file
-FIRST = ("test_pipeline.py", "test_slurm.py")
+#: fresh-clone ``dvc repro`` of test_pipeline.py while the other runs the SLURM tests, the vLLM
+#: tests (a fresh clone's judge half and grpo@kontext_editing served by vLLM) and then every
+#: other file
+FIRST = ("test_pipeline.py", "test_slurm.py", "test_vllm.py")
 
 
 def pytest_collection_modifyitems(config, items):
