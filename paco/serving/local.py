@@ -40,6 +40,10 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GRO
 #: launcher (``ACCELERATE_MIXED_PRECISION``, ``ACCELERATE_USE_DEEPSPEED`` ...)
 LAUNCH_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_")
 
+#: seconds :meth:`LocalServer.recover` waits for a server that refused a connection to be seen
+#: exiting (the kernel closes a dying process's sockets before its parent can reap it)
+EXIT_GRACE_S = 2.0
+
 #: the prefix of a run directory in the system temp folder (``paco-serve-<pid>-...``, pid the
 #: starting process's), for a server started without a log path
 RUN_DIR_PREFIX = "paco-serve-"
@@ -217,6 +221,7 @@ class LocalServer:
         self.generation = 0
         self._ready = False
         self._stopped = False
+        self._given_up: ServedModelError | None = None
         self._tmp: Path | None = None
         self._lock = threading.Lock()
 
@@ -346,22 +351,31 @@ class LocalServer:
     def recover(self, generation: int) -> bool:
         """The :class:`~paco.serving.client.Supervisor` call: ``True`` if the server was restarted
         since ``generation`` (by this call: it had exited; or by another thread's), ``False`` if it
-        runs (or was stopped by :meth:`__exit__`).
+        runs (or was stopped by :meth:`__exit__`). A process that refused a connection is given
+        :data:`EXIT_GRACE_S` seconds to be seen exiting.
 
         Raises:
             paco.serving.client.ServedModelError: it exited after ``max_restarts`` restarts, or
-                its restart did not come up (the log's tail quoted).
+                its restart did not come up (the log's tail quoted); raised again to every later
+                caller.
         """
         with self._lock:
             if self.generation != generation:
                 return True
-            if self._stopped or self.proc is None or self.proc.poll() is None:
+            if self._given_up is not None:  # every request that meets the dead server hears why
+                raise self.error(str(self._given_up))
+            if self._stopped or self.proc is None:
+                return False
+            try:  # a killed process closes its socket before it can be reaped: give its exit a moment
+                self.proc.wait(timeout=EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:
                 return False
             code = self.proc.returncode
             if self.restarts >= self.max_restarts:
-                raise self._fail(f"{self.engine} server ({self.model_dir}) exited with code {code} after "
-                                 f"{self.restarts} restart(s) (judge_endpoint.server.max_restarts "
-                                 f"{self.max_restarts})")
+                self._given_up = self._fail(f"{self.engine} server ({self.model_dir}) exited with code {code} "
+                                            f"after {self.restarts} restart(s) (judge_endpoint.server.max_restarts "
+                                            f"{self.max_restarts})")
+                raise self._given_up
             self._reap()
             self.restarts += 1
             log.warning("%s server for %s exited with code %s: restart %d of %d on port %s", self.engine,
@@ -370,7 +384,11 @@ class LocalServer:
                 logf.write(f"\n--- paco.serving.local: exited with code {code}; restart {self.restarts} of "
                            f"{self.max_restarts} ---\n".encode())
             self._spawn(self.port)
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except ServedModelError as exc:  # the restart did not come up (stopped, its log quoted)
+                self._given_up = exc
+                raise
             self.generation += 1
             return True
 
