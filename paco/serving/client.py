@@ -9,10 +9,11 @@ error counts them): connection errors, timeouts, HTTP 408, 409, 429 and 5xx are 
 ``retries`` times after :func:`~paco.serving.http.backoff_s` (0.5 s doubling to 8 s, less up to
 25 % jitter) or the server's ``Retry-After`` (one longer than ``timeout_s`` ends the retries).
 
-A server the stage started itself is *supervised*: after a request that got no HTTP response the
-client asks the server's :class:`Supervisor` whether it died; a dead local server is restarted (a
-bounded number of times, :class:`paco.serving.local.LocalServer`) and the request is asked again
-with its attempts counted afresh, so every request that was in flight when it died is re-asked. A
+A server the stage started itself is *supervised*: after a request whose connection was refused or
+dropped (not a timeout) the client asks the server's :class:`Supervisor` whether it died; a dead
+local server is restarted (a bounded number of times, :class:`paco.serving.local.LocalServer`) and
+the request is asked again with its attempts counted afresh, so every request that was in flight
+when it died is re-asked. A
 URL endpoint has no supervisor: its requests keep the retries above.
 
 Failures never become results: a request that still fails raises :class:`ServedModelError` naming
@@ -161,8 +162,9 @@ class ServedClient:
                 with deadline(self.timeout_s):
                     return call()
             except openai.OpenAIError as exc:
+                # a dead server refuses or drops the connection; a timeout is a slow live one
                 if self.supervisor is not None and isinstance(exc, openai.APIConnectionError) \
-                        and self._recovered(what, generation):
+                        and not isinstance(exc, openai.APITimeoutError) and self._recovered(what, generation):
                     log.warning("%s at %s: the server was restarted; asking again", what, self.base_url)
                     attempts = 0
                     continue
