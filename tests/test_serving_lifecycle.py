@@ -119,3 +119,24 @@ def test_an_interpreter_without_vllm_is_a_named_error_before_anything_starts(tmp
     with pytest.raises(ServedModelError, match="has no vllm module"):
         server.start()
     assert server.proc is None and not (tmp_path / "vllm.log").exists()
+
+
+def test_the_processes_that_share_a_node_s_server_wait_for_its_restart(tiny_model_dirs, dead_url):
+    """:class:`paco.serving.endpoint.HealthWait` (the supervisor of the ranks that did not start the
+    server): a live server is no outage; a server its owner restarts on the same port is waited for;
+    one that never answers is given up after ``timeout_s``."""
+    from paco.serving.endpoint import HealthWait
+
+    assert HealthWait(dead_url, NAME, timeout_s=2.0).recover(0) is False
+    server = LocalServer(tiny_model_dirs["judge_base"], NAME, threads=1, max_logprobs=VOCAB, max_restarts=1)
+    with server as url:
+        wait = HealthWait(url, NAME, timeout_s=120.0)
+        assert wait.recover(0) is False and wait.generation == 0
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        owner = threading.Thread(target=server.recover, args=(server.generation,))
+        owner.start()  # the rank that started it restarts it, on its port
+        assert wait.recover(0) is True and wait.generation == 1
+        owner.join()
+        assert server.restarts == 1 and server.url == url
+        assert wait.recover(0) is True  # another thread of that outage: already over

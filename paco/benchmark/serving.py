@@ -1,8 +1,9 @@
 """The benchmark stage's evaluators (issue 27, "Evaluator backends"): each an
 :class:`~paco.benchmark.evaluator.Evaluator` on a given URL, or on a server of its model that the
 stage starts itself, exactly as grpo serves its judge (:class:`paco.serving.local.LocalServer`
-with ``judge_endpoint.server``'s engine, dtype, restarts and vLLM flags: one that dies is restarted), and only when a question is not in
-the answer cache: a rerun whose answers are all cached starts no server and asks nothing.
+with ``judge_endpoint.server``'s engine, dtype, restarts and vLLM flags: one that dies is
+restarted), and only when a question is not in the answer cache: a rerun whose answers are all
+cached starts no server and asks nothing.
 
 * :class:`BenchEvaluator`: one evaluator (a column of the benchmark's table) with its cache;
   ``backend="transformers"``: the model answers in this process

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class HealthWait:
     def __init__(self, url: str, model: str, timeout_s: float):
         self.url, self.model, self.timeout_s = url, model, float(timeout_s)
         self.generation = 0
+        self._lock = threading.Lock()  # one thread waits; the others then see the new generation
 
     def _healthy(self) -> bool:
         from paco.serving.client import ServedClient, ServedModelError
@@ -44,18 +46,19 @@ class HealthWait:
             client.close()
 
     def recover(self, generation: int) -> bool:
-        if generation != self.generation:
-            return True
-        if self._healthy():
-            return False
-        end = time.monotonic() + self.timeout_s
-        while time.monotonic() < end:
-            time.sleep(1.0)
-            if self._healthy():
-                self.generation += 1
-                log.warning("judge server at %s answers again", self.url)
+        with self._lock:
+            if generation != self.generation:
                 return True
-        return False
+            if self._healthy():
+                return False
+            end = time.monotonic() + self.timeout_s
+            while time.monotonic() < end:
+                time.sleep(1.0)
+                if self._healthy():
+                    self.generation += 1
+                    log.warning("judge server at %s answers again", self.url)
+                    return True
+            return False
 
 
 class JudgeEndpoint:
