@@ -4,7 +4,7 @@
 
     accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.final_samples \\
         --params params.yaml --subtask t2is --items data/prompts/prompts.parquet \\
-        --policy data/models/policy_t2is --lora data/grpo/t2is/lora --judge data/reward_merge/model \\
+        --policy data/models/policy_t2is --lora data/grpo/t2is/lora --judge data/reward_merge/model --base-judge data/models/judge_base \\
         --clip data/models/clip --pickscore data/models/pickscore --out data/final_samples/t2is/samples.parquet \\
         --sheets data/final_samples/t2is/sheets --metrics data/final_samples/t2is/metrics.json
 
@@ -46,6 +46,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--judge", type=Path, required=True,
                    help="judge directory: judge_endpoint.model (reward_merge's, or a released judge from the "
                         "models stage)")
+    p.add_argument("--base-judge", type=Path, required=True,
+                   help="the base judge directory (models stage, judge_base): the independent scorer of "
+                        "final_samples.<subtask>.independent_scorer base_judge, loaded in process")
     p.add_argument("--clip", type=Path, required=True, help="CLIP model directory (models stage)")
     p.add_argument("--pickscore", type=Path, required=True,
                    help="PickScore model directory (models stage; loaded only for the pickscore reward)")
@@ -57,7 +60,9 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _body(args: argparse.Namespace, params: Params) -> dict:
     from paco.grpo.rewards import ITEM_COLUMNS, RewardError, check_reward_names, make_reward_context
     from paco.serving.judge_client import JudgeError
-    from paco.grpo.final_samples import final_samples
+    from paco.grpo.final_samples import final_samples, final_warnings
+    from paco.judge.model import Judge
+    import torch
     from paco.grpo.policies.lora_io import lora_format
 
     cfg = subtask_params(params, "final_samples", args.subtask)
@@ -73,7 +78,13 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
                             log_name=f"final_samples_{args.subtask}.judge_server.log") as endpoint:
             ctx = make_reward_context(params, endpoint, args.clip, args.pickscore, rewards=cfg.rewards,
                                       device=accelerator.device, connect=False)
-            table, sheets, metrics = final_samples(cfg, prompts, args.policy, args.lora, ctx,
+            independent = None
+            if cfg.independent_scorer == "base_judge":  # the zero-shot base judge, as reward_eval's baseline
+                dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and accelerator.device.type == "cuda") \
+                    else torch.float32
+                independent = Judge.from_pretrained(args.base_judge, dtype=dtype, device=accelerator.device,
+                                                    answer_variants=params.judge_endpoint.answer_variants)
+            table, sheets, metrics = final_samples(cfg, prompts, args.policy, args.lora, ctx, independent=independent,
                                                    rank=accelerator.process_index, world=accelerator.num_processes,
                                                    accelerator=accelerator)
     except (JudgeError, RewardError) as exc:
@@ -94,14 +105,27 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
         log.info("final_samples@%s %-12s base %.4f -> lora %.4f (diff %+.4f, improved %.0f%%, p=%s)", args.subtask, name,
                  r["base_mean"], r["lora_mean"], r["lora_minus_base"], 100 * r["improved_fraction"],
                  r.get("paired_t_p_value"))
+    for line in final_warnings(metrics, f"final_samples@{args.subtask}"):
+        log.warning("%s", line)
     metrics.update({"subtask": args.subtask, "split": cfg.split, "resolution": cfg.resolution, "num_steps": cfg.num_steps,
                     "guidance_scale": cfg.guidance_scale})
-    # metrics.json: the first listed reward's (consistency's) LoRA-minus-base gain and its paired
-    # t-test p-value, the paper's headline; every reward's figures are in report.json
-    first = cfg.rewards[0]
+    return StageOutput(headline(metrics, cfg.rewards[0]), metrics)
+
+
+def headline(metrics: dict, first: str) -> dict:
+    """metrics.json: the first listed reward's (consistency's) LoRA - base gain and its paired t-test
+    p-value (the paper's headline), the hacking gap of that reward (when the independent judge
+    scored it) and every monitor's LoRA - base change with its p-value; every figure is in
+    report.json. A p-value is ``None`` where there is no test (no difference)."""
     r = metrics["rewards"][first]
-    headline = {f"{first}_gain": r.get("lora_minus_base"), f"{first}_p": r.get("paired_t_p_value")}
-    return StageOutput(headline, metrics)
+    out = {f"{first}_gain": r.get("lora_minus_base"), f"{first}_p": r.get("paired_t_p_value")}
+    if first in metrics.get("hacking_gap", {}):
+        g, ind = metrics["hacking_gap"][first], metrics["independent"][first]
+        out.update({"independent_gain": ind["lora_minus_base"], "independent_p": ind.get("paired_t_p_value"),
+                    "hacking_gap": g["gap"], "hacking_gap_p": g.get("paired_t_p_value")})
+    for name, m in metrics.get("monitors", {}).items():
+        out.update({f"{name}_change": m["lora_minus_base"], f"{name}_p": m.get("paired_t_p_value")})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -292,7 +292,7 @@ def test_params_check_and_the_reward_stages_refuse_unknown_reward_names(tmp_path
                                                                    "lora")}
     for stage, subtask, extra, key in (
             (grpo, "t2is", ("checkpoints", "plots", "metrics"), "grpo.t2is.rewards: unknown reward(s) ['clip_tt']"),
-            (final_samples, "kontext_editing", ("out", "sheets", "metrics"),
+            (final_samples, "kontext_editing", ("base-judge", "out", "sheets", "metrics"),
              "final_samples.kontext_editing.rewards: unknown reward(s) ['consistency_for_editin']")):
         caplog.clear()
         argv = ["--params", str(path), "--subtask", subtask]

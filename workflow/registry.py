@@ -290,6 +290,7 @@ STAGES += (
             ("--policy", "data/models/${item.policy}"),
             ("--lora", "${item.lora}"),  # data/grpo/<g>/lora or a released LoRA, data/models/<role>
             ("--judge", _JUDGE),
+            ("--base-judge", "data/models/judge_base"),  # the independent scorer (independent_scorer: base_judge)
             ("--clip", "data/models/clip"),
             ("--pickscore", "data/models/pickscore"),
             ("--out", "data/final_samples/${key}/samples.parquet"),
@@ -297,7 +298,7 @@ STAGES += (
             ("--metrics", "data/final_samples/${key}/metrics.json"),
         ),
         deps=(_ITEMS, "data/models/${item.policy}", "${item.lora}",
-              _JUDGE, "data/models/clip", "data/models/pickscore"),
+              _JUDGE, "data/models/judge_base", "data/models/clip", "data/models/pickscore"),
         params=("final_samples.${key}", "judge_endpoint", "subfigures"),
         outs=("data/final_samples/${key}/samples.parquet",),
         out_dirs=("data/final_samples/${key}/sheets",),

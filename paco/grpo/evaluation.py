@@ -22,6 +22,7 @@ from paco.grpo.checkpointing import eval_weights_path, keep_eval_weights
 from paco.grpo.ema import swapped_weights
 from paco.grpo.plan import generators
 from paco.grpo.policies import TRAINED_ADAPTER, Policy
+from paco.grpo.monitors import MONITORS, monitor_warnings, sample_monitors
 from paco.grpo.rewards import OverlappedRewards, RewardContext, SubtaskItem, compute_rewards
 from paco.grpo.run import GrpoRun, GrpoState
 
@@ -35,7 +36,9 @@ def evaluate(policy: Policy, prompts: Sequence[SubtaskItem], sizes: Sequence[tup
     """ODE samples of ``prompts`` (one each, initial noise from
     ``stable_seed(seed, "eval", 0, prompt_id, 0)``) at ``sizes`` with the active weights, in
     batches of up to ``eval.batch_size`` prompts of one size; mean and std of every reward and of
-    their weighted sum."""
+    their weighted sum (``reward``), and the mean of every reward-hacking monitor that applies
+    (:func:`paco.grpo.monitors.sample_monitors` at the policy's latent patch period: e.g.
+    ``grid_artifact``, ``input_ssim``)."""
     e = cfg.eval
     rows = []
     mine = list(range(rank, len(prompts), world))
@@ -67,6 +70,9 @@ def evaluate(policy: Policy, prompts: Sequence[SubtaskItem], sizes: Sequence[tup
     rewards = compute_rewards([n for n in cfg.rewards if n not in served], [im for _, im in rows],
                               [prompts[i] for i, _ in rows], ctx)
     rewards.update({n: np.array([v[order[i]] for i, _ in rows]) for n, v in served.items()})
+    if rows:  # the reward-hacking monitors of the same samples
+        rewards.update(sample_monitors([im for _, im in rows], [prompts[i] for i, _ in rows], ctx,
+                                       period=policy.size_multiple))
     local = [(i, {k: float(v[j]) for k, v in rewards.items()}) for j, (i, _) in enumerate(rows)]
     allrows = sorted(gather_objects(accelerator, local), key=lambda r: r[0])
     table = {k: np.array([r[1][k] for r in allrows]) for k in cfg.rewards}
@@ -75,6 +81,10 @@ def evaluate(policy: Policy, prompts: Sequence[SubtaskItem], sizes: Sequence[tup
     for k, v in table.items():
         out[f"{k}_mean"] = float(v.mean())
         out[f"{k}_std"] = float(v.std())
+    for m in MONITORS:  # the mean over the samples it measures (NaN: a panel too small for it)
+        values = np.array([r[1][m] for r in allrows if m in r[1]])
+        if np.isfinite(values).any():
+            out[m] = float(np.nanmean(values))
     return out
 
 
@@ -96,10 +106,17 @@ def evaluate_weights(run: GrpoRun, epoch: int, weights: dict[str, torch.Tensor] 
 
 def record_evaluation(run: GrpoRun, state: GrpoState, epoch: int) -> None:
     """:func:`evaluate_weights` of the current weights after ``epoch`` epochs, appended to the
-    evaluation history, its time added to ``state.timings["eval"]``."""
+    evaluation history, its time added to ``state.timings["eval"]``; a log warning names every
+    monitor that moved past its bound from the first evaluation
+    (:func:`paco.grpo.monitors.monitor_warnings`)."""
     te = time.perf_counter()
-    state.history["eval"].append(evaluate_weights(run, epoch))
+    row = evaluate_weights(run, epoch)
+    state.history["eval"].append(row)
     state.timings["eval"] += time.perf_counter() - te
+    first = state.history["eval"][0]
+    if run.main and row is not first:
+        for line in monitor_warnings(row, first, where=f"evaluation after epoch {epoch} vs after epoch {first['epoch']}"):
+            log.warning("%s", line)
 
 
 def reevaluate(run: GrpoRun, state: GrpoState) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,11 @@ from paco.core.seeding import stable_seed
 from paco.core.statistics import paired_t_p
 from paco.core.io import encode_image
 from paco.core.params import FinalSamplesParams
+from paco.grpo.monitors import MONITORS, monitor_warnings, sample_monitors
 from paco.grpo.policies import Policy, grid_size, load_policy
 from paco.grpo.policies.lora_io import load_lora
-from paco.grpo.rewards import OverlappedRewards, RewardContext, SubtaskItem, compute_rewards, subtask_items
+from paco.grpo.rewards import (SERVED_REWARDS, OverlappedRewards, RewardContext, SubtaskItem, compute_rewards,
+                               subtask_items)
 from paco.data.subfigures import crop_panels
 
 log = logging.getLogger("paco.grpo.final_samples")
@@ -112,16 +115,23 @@ def contact_sheet(images: Sequence[Image.Image], labels: Sequence[str], *, colum
 
 
 def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: str | Path, lora_dir: str | Path,
-                  ctx: RewardContext, *, rank: int = 0, world: int = 1, accelerator: Any = None
-                  ) -> tuple[pd.DataFrame, dict[str, Image.Image], dict[str, Any]]:
+                  ctx: RewardContext, *, independent: Any = None, rank: int = 0, world: int = 1,
+                  accelerator: Any = None) -> tuple[pd.DataFrame, dict[str, Image.Image], dict[str, Any]]:
     """Sample, cut and score the ``cfg.split`` prompts (every one for ``all``; ``cfg.dataset``:
-    ``prompts.parquet`` or ``edits.parquet`` rows) at :func:`sample_size` with and without the LoRA.
+    ``prompts.parquet`` or ``edits.parquet`` rows) at :func:`sample_size` with and without the LoRA,
+    and measure them with the reward-hacking monitors (:func:`paco.grpo.monitors.sample_monitors`
+    at the policy's latent patch period) and, with ``independent``, the judge rewards of
+    ``cfg.rewards`` again with that judge.
+
+    Args:
+        independent: a judge the run did not optimise (anything with ``score(triples)``, e.g. the
+            base judge's :class:`paco.judge.model.Judge`), or ``None``.
 
     Returns:
         ``(samples, sheets, metrics)``: the ``samples.parquet`` rows (``SAMPLE_COLUMNS`` plus
-        ``reward_<name>``; ``image``/``panels`` are image cells), one contact sheet per variant
-        (and ``compare``: input | base | LoRA, for edits), and the metrics (per variant and reward: mean, std; LoRA minus base: mean difference,
-        paired t-test p-value, fraction of samples improved).
+        ``reward_<name>``, ``monitor_<name>`` and, with ``independent``, ``independent_<reward>``;
+        ``image``/``panels`` are image cells), one contact sheet per variant (and ``compare``:
+        input | base | LoRA, for edits), and the metrics (:func:`summarise`).
 
     Raises:
         ValueError: no prompt in the split. paco.grpo.rewards.RewardError /
@@ -148,6 +158,7 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
     # the served rewards (the judge) of the base samples are scored while the LoRA samples are made
     overlap = OverlappedRewards(list(cfg.rewards), ctx)
     local = [n for n in cfg.rewards if n not in overlap.names]  # scored here, beside the worker thread
+    judged = [n for n in cfg.rewards if n in SERVED_REWARDS]  # the judge rewards the independent judge scores
     try:
         for variant in VARIANTS:
             if variant == "lora":
@@ -161,7 +172,13 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
                     df_logging.set_verbosity(level)
             images = _generate(policy, my_jobs, cfg)
             overlap.submit(images, my_infos)
-            generated[variant] = (images, compute_rewards(local, images, my_infos, ctx) if local else {})
+            scores = compute_rewards(local, images, my_infos, ctx) if local else {}
+            scores.update({f"monitor_{k}": v for k, v in
+                           sample_monitors(images, my_infos, ctx, period=policy.size_multiple).items()})
+            if independent is not None and judged:
+                scores.update({f"independent_{k}": v for k, v in compute_rewards(
+                    judged, images, my_infos, replace(ctx, judge=independent, pending_judge=None)).items()})
+            generated[variant] = (images, scores)
         served = overlap.collect()  # base then LoRA, in submission order
     finally:
         overlap.close()
@@ -179,6 +196,7 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
                 "panels": [encode_image(c, path=f"{sid}-p{j}.png") for j, c in enumerate(panels)],
                 "bboxes": [list(map(int, b)) for b in boxes],
                 **{f"reward_{name}": float(rewards[name][n]) for name in cfg.rewards},
+                **{k: float(v[n]) for k, v in rewards.items() if k.startswith(("monitor_", "independent_"))},
                 "_pil": im,
             })
     if accelerator is not None and accelerator.num_processes > 1:
@@ -186,6 +204,13 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
 
         rows = gather_object(rows)
     rows.sort(key=lambda r: r["order"])
+    table = pd.DataFrame([{k: v for k, v in r.items() if k not in ("order", "_pil")} for r in rows])
+    return table, _sheets(rows, infos, cfg), summarise(table, cfg.rewards)
+
+
+def _sheets(rows: Sequence[dict[str, Any]], infos: Sequence[SubtaskItem], cfg: FinalSamplesParams
+            ) -> dict[str, Image.Image]:
+    """One contact sheet per variant, and for edits ``compare``: input | base | LoRA triplets."""
     sheets = {}
     for variant in VARIANTS:
         vr = [r for r in rows if r["variant"] == variant]
@@ -200,23 +225,77 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
             triplets += [ref[r["prompt_id"]], r["_pil"], lora[(r["prompt_id"], r["seed"])]["_pil"]]
             labels += [f"{r['prompt_id']} input", "base", "LoRA"]
         sheets["compare"] = contact_sheet(triplets, labels, columns=3, title="input | base | LoRA")
-    table = pd.DataFrame([{k: v for k, v in r.items() if k not in ("order", "_pil")} for r in rows])
-    return table, sheets, summarise(table, cfg.rewards)
+    return sheets
+
+
+def _paired(base: np.ndarray, lora: np.ndarray, *, higher: str) -> dict[str, Any] | None:
+    """Over the pairs where both values are finite (a monitor is NaN where a panel is too small
+    for it): their count ``pairs``, mean and std per variant, the mean LoRA - base difference, the
+    fraction of pairs where the LoRA's value is higher (under the key ``higher``) and the
+    two-sided paired t-test's p-value (omitted for fewer than two pairs or no difference);
+    ``None`` without a finite pair."""
+    keep = np.isfinite(base) & np.isfinite(lora)
+    if not keep.any():
+        return None
+    base, lora = base[keep], lora[keep]
+    d = lora - base
+    entry = {"pairs": int(keep.sum()), "base_mean": float(base.mean()), "base_std": float(base.std()),
+             "lora_mean": float(lora.mean()), "lora_std": float(lora.std()), "lora_minus_base": float(d.mean()),
+             higher: float((d > 0).mean())}
+    if len(d) > 1 and np.any(d != 0):
+        entry["paired_t_p_value"] = paired_t_p(lora, base)
+    return entry
 
 
 def summarise(table: pd.DataFrame, rewards: Sequence[str]) -> dict[str, Any]:
-    """Per variant and reward mean/std; LoRA - base differences with a paired t-test."""
+    """The final samples' comparison, base against LoRA paired by ``(prompt_id, seed)``.
+
+    Returns:
+        ``samples``, ``prompts``; ``rewards``: per reward mean/std per variant, ``lora_minus_base``,
+        ``improved_fraction`` and ``paired_t_p_value`` (two-sided ``scipy.stats.ttest_rel``);
+        ``monitors``: the same for every ``monitor_<name>`` column (``lora_higher_fraction``);
+        ``independent``: the same for every ``independent_<reward>`` column; ``hacking_gap``: per
+        such reward, ``optimised_gain`` (the LoRA - base gain under the run's judge),
+        ``independent_gain`` (under the independent judge), ``gap`` = their difference (in the
+        reward's units: both judges score the same formula) and ``paired_t_p_value``, the
+        two-sided paired t-test of the per-sample gains under the two judges.
+    """
     out: dict[str, Any] = {"samples": int(len(table)), "prompts": int(table["prompt_id"].nunique()), "rewards": {}}
     base = table[table["variant"] == "base"].set_index(["prompt_id", "seed"])
     lora = table[table["variant"] == "lora"].set_index(["prompt_id", "seed"]).loc[base.index]
+
+    def pair(col: str) -> tuple[np.ndarray, np.ndarray]:
+        return base[col].to_numpy(dtype=np.float64), lora[col].to_numpy(dtype=np.float64)
+
     for name in rewards:
-        col = f"reward_{name}"
-        b, lo = base[col].to_numpy(), lora[col].to_numpy()
-        d = lo - b
-        entry = {"base_mean": float(b.mean()), "base_std": float(b.std()), "lora_mean": float(lo.mean()),
-                 "lora_std": float(lo.std()), "lora_minus_base": float(d.mean()),
-                 "improved_fraction": float((d > 0).mean())}
-        if len(d) > 1 and np.any(d != 0):
-            entry["paired_t_p_value"] = paired_t_p(lo, b)
-        out["rewards"][name] = entry
+        out["rewards"][name] = _paired(*pair(f"reward_{name}"), higher="improved_fraction")
+    monitors = {m: _paired(*pair(f"monitor_{m}"), higher="lora_higher_fraction")
+                for m in MONITORS if f"monitor_{m}" in table}
+    out["monitors"] = {m: v for m, v in monitors.items() if v is not None}
+    out["independent"], out["hacking_gap"] = {}, {}
+    for name in rewards:
+        if f"independent_{name}" not in table:
+            continue
+        out["independent"][name] = _paired(*pair(f"independent_{name}"), higher="improved_fraction")
+        b, lo = pair(f"reward_{name}")
+        ib, ilo = pair(f"independent_{name}")
+        gap = {"optimised_gain": float((lo - b).mean()), "independent_gain": float((ilo - ib).mean())}
+        gap["gap"] = gap["optimised_gain"] - gap["independent_gain"]
+        if len(b) > 1 and np.any((lo - b) != (ilo - ib)):
+            gap["paired_t_p_value"] = paired_t_p(lo - b, ilo - ib)
+        out["hacking_gap"][name] = gap
     return out
+
+
+def final_warnings(metrics: dict[str, Any], where: str) -> list[str]:
+    """:func:`paco.grpo.monitors.monitor_warnings` of the LoRA samples' monitor means against the
+    base samples', and a line when a hacking gap is positive with a paired p-value below 0.05."""
+    mons = metrics.get("monitors", {})
+    lines = monitor_warnings({k: v["lora_mean"] for k, v in mons.items()},
+                             {k: v["base_mean"] for k, v in mons.items()}, where=f"{where}, LoRA vs base")
+    for name, g in metrics.get("hacking_gap", {}).items():
+        if g["gap"] > 0 and g.get("paired_t_p_value", 1.0) < 0.05:
+            lines.append(f"hacking gap of {name}: the LoRA gains {g['optimised_gain']:+.4f} under the run's judge and "
+                         f"{g['independent_gain']:+.4f} under the independent judge (gap {g['gap']:+.4f}, paired p "
+                         f"{g['paired_t_p_value']:.2g}): {where}; a sign of reward hacking (paco.grpo.monitors)")
+    return lines

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from paco.core.statistics import learning_signal
+from paco.grpo.monitors import MONITORS
 from paco.grpo.plan import epoch_prompts, trajectory_prompts
 from paco.grpo.run import Advantages, GrpoRun, GrpoState
 
@@ -59,6 +60,8 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
         "train_gain_p": signal.get("p_value"),      # one-sided paired t-test of that gain over the prompts
         "eval_reward": final.get("reward"),         # weighted reward of the final ODE evaluation
     }
+    # the reward-hacking monitors: final minus first evaluation (paco.grpo.monitors)
+    metrics.update({f"{m}_change": final[m] - first[m] for m in MONITORS if m in final and m in first})
     n_lora = sum(p.numel() for p in run.lora_params)
     report = {
         "run_identity": {"digest": run.identity.digest, "evaluation": run.identity.evaluation_digest,

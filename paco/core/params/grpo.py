@@ -263,6 +263,10 @@ class FinalSamplesParams(_Section):
     negative_prompt: str | None = Field(" ", description="as grpo.<subtask>.rollout.negative_prompt")
     rewards: list[str] = Field(default_factory=lambda: ["consistency", "clip_t", "pickscore"],
                                description="rewards scored (the first one's gain is the stage's headline metric)")
+    independent_scorer: Literal["base_judge", "none"] = Field(
+        "base_judge", description="the judge the run did not optimise, for the hacking gap (paco.grpo.monitors): "
+        "base_judge scores the judge rewards (consistency, consistency_for_editing) again with the base judge "
+        "(data/models/judge_base, zero-shot, in process); none: no independent scores")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16 applies on CUDA only")
     resources: SubtaskResources = Field(default_factory=SubtaskResources)
 
