@@ -119,12 +119,20 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     m = json.loads((g / "report.json").read_text())
     assert m["epochs_this_run"] == 2 and m["judge"]["requests"] > 0
-    assert set(json.loads((g / "metrics.json").read_text())) == {"train_gain", "train_gain_p", "eval_reward"}
+    metrics = json.loads((g / "metrics.json").read_text())
+    monitors = {k for k in metrics if k.endswith("_change")}
+    assert set(metrics) - monitors == {"train_gain", "train_gain_p", "eval_reward", "lora_epoch"}
+    # the 32 px panels are too small for the 16 px grid score; the others are measured
+    assert monitors == {"grid_artifact_2px_change", "high_frequency_change", "panel_similarity_change"}
+    assert all(np.isfinite(metrics[k]) for k in monitors) and metrics["lora_epoch"] == 2
+    evals = pd.read_csv(g / "plots" / "eval.csv")
+    assert {"grid_artifact_2px", "high_frequency", "panel_similarity"} <= set(evals.columns)
     assert (g / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (g / "ck" / "judge_server.log").is_file() and len(list((g / "ck").glob("epoch-*"))) == 2
     for name in ("train.csv", "eval.csv"):
         assert (g / "plots" / name).is_file()
-    proc = _run("stages.final_samples", common + ["--lora", str(g / "lora"), "--out", str(s / "samples.parquet"),
+    proc = _run("stages.final_samples", common + ["--lora", str(g / "lora"), "--base-judge",
+                                                  str(tiny_model_dirs["judge_base"]), "--out", str(s / "samples.parquet"),
                                            "--sheets", str(s / "sheets"), "--metrics", str(s / "metrics.json")])
     assert proc.returncode == 0, proc.stderr[-4000:]
     samples = pd.read_parquet(s / "samples.parquet")
@@ -132,7 +140,12 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     assert all(len(p) == 4 for p in samples["panels"])
     sm = json.loads((s / "report.json").read_text())
     assert set(sm["rewards"]) == {"consistency", "clip_t", "pickscore"}
-    assert set(json.loads((s / "metrics.json").read_text())) == {"consistency_gain", "consistency_p"}
+    fm = json.loads((s / "metrics.json").read_text())
+    assert {"consistency_gain", "consistency_p", "independent_gain", "hacking_gap", "high_frequency_change",
+            "panel_similarity_change"} <= set(fm)
+    # the run's judge is the base judge here: served or in process, the independent scores are its own
+    assert abs(fm["hacking_gap"]) < 1e-5 and abs(fm["independent_gain"] - fm["consistency_gain"]) < 1e-5
+    assert {"monitor_high_frequency", "monitor_panel_similarity", "independent_consistency"} <= set(samples.columns)
     assert {p.name for p in (s / "sheets").iterdir()} == {"base.png", "lora.png"}
 
 

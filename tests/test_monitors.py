@@ -175,3 +175,24 @@ def test_panels_too_small_for_the_grid_are_not_measured():
     assert np.isnan(out["grid_artifact"][0])  # 32 px: under two periods inside the margins
     assert np.isfinite(out["grid_artifact_2px"][0]) and np.isfinite(out["high_frequency"][0])
     assert monitor_warnings({"grid_artifact": float("nan")}, {"grid_artifact": 0.0}, where="x") == []
+
+
+def test_checkpoint_selection_keeps_the_last_evaluation_within_the_bounds():
+    from paco.grpo.monitors import select_evaluation
+
+    curve = [  # a hand-made evaluation history: the grid score creeps up, input SSIM falls late
+        {"epoch": 0, "reward": 0.30, "grid_artifact": 0.010, "input_ssim": 0.42},
+        {"epoch": 4, "reward": 0.33, "grid_artifact": 0.015, "input_ssim": 0.41},
+        {"epoch": 8, "reward": 0.36, "grid_artifact": 0.019, "input_ssim": 0.405},  # the last within both
+        {"epoch": 12, "reward": 0.39, "grid_artifact": 0.030, "input_ssim": 0.41},   # grid +0.02
+        {"epoch": 16, "reward": 0.41, "grid_artifact": 0.012, "input_ssim": 0.37},   # SSIM -0.05
+    ]
+    assert select_evaluation(curve) == 2
+    assert select_evaluation(curve, names=["grid_artifact"]) == 4
+    assert select_evaluation(curve, names=["input_ssim"]) == 3
+    assert select_evaluation(curve[:1]) == 0
+    assert select_evaluation([curve[0], curve[3]]) == 0  # none within: the base weights
+    with pytest.raises(ValueError, match="unknown monitor"):
+        select_evaluation(curve, names=["reward"])
+    with pytest.raises(ValueError, match="at least one"):
+        select_evaluation([])

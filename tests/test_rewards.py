@@ -302,3 +302,37 @@ def test_subtask_items_read_prompts_and_edits_alike():
         R.subtask_items(bad, "edits")
     with pytest.raises(ValueError, match="unknown dataset"):
         R.subtask_items(edits, "composites")
+
+
+def test_the_input_fidelity_guard_is_ssim_to_the_input_and_enters_the_aggregation_as_any_reward():
+    """``input_fidelity`` is the edit's SSIM to its input (scikit-image's, computed here), and
+    log-tame aggregation treats it like the judge reward beside it: a high-variance reward is
+    tamed, the weighted sum is group-normalised (PaCo-RL eq. 2-4, written out here)."""
+    from skimage.metrics import structural_similarity
+
+    from paco.grpo.advantages import aggregate
+
+    rng = np.random.default_rng(0)
+    source = Image.fromarray(rng.integers(0, 256, (48, 48, 3), dtype=np.uint8))
+    edits = [source, *(Image.fromarray(np.clip(np.asarray(source, dtype=np.float64) + rng.normal(0, s, (48, 48, 3)),
+                                               0, 255).astype(np.uint8)) for s in (10, 30, 60))]
+    items = [SubtaskItem(f"e{i // 2}", "edit it", "", 1, 1, ("edit it",), reference=source) for i in range(4)]
+    fidelity = compute_rewards(["input_fidelity"], edits, items, RewardContext())["input_fidelity"]
+    grey = lambda im: np.asarray(im.convert("L"), dtype=np.float64) / 255  # noqa: E731
+    expected = [structural_similarity(grey(e), grey(source), data_range=1.0) for e in edits]
+    np.testing.assert_allclose(fidelity, expected, rtol=1e-12)
+    assert fidelity[0] == pytest.approx(1.0) and np.all(np.diff(fidelity) < 0)
+    judge = np.array([0.2, 0.5, 0.6, 0.9])
+    weights = {"consistency_for_editing": 1.0, "input_fidelity": 0.5}
+    _, adv, info = aggregate({"consistency_for_editing": judge, "input_fidelity": fidelity}, weights,
+                             [it.prompt_id for it in items], method="log_tame", delta=0.2, global_std=True)
+    tamed = {k: (np.log1p(v) if v.std() / v.mean() > 0.2 else v)
+             for k, v in {"consistency_for_editing": judge, "input_fidelity": fidelity}.items()}
+    total = sum(weights[k] * tamed[k] for k in weights)
+    groups = total.reshape(2, 2)
+    expected_adv = ((groups - groups.mean(axis=1, keepdims=True)) / total.std()).ravel()
+    np.testing.assert_allclose(adv, expected_adv, rtol=1e-12)
+    assert set(info["tamed"]) == {k for k, v in {"consistency_for_editing": judge, "input_fidelity": fidelity}.items()
+                                  if v.std() / v.mean() > 0.2}
+    with pytest.raises(RewardError, match="no reference"):
+        compute_rewards(["input_fidelity"], edits[:1], [SubtaskItem("x", "p", "", 1, 1, ("p",))], RewardContext())

@@ -267,7 +267,8 @@ STAGES += (
         persist=("data/grpo/${key}/checkpoints",),
         metrics=("data/grpo/${key}/metrics.json",),
         # no schedule depends on epochs, so raising it continues a finished run
-        continuable=("grpo.${key}.epochs", "grpo.${key}.save_every"),
+        # checkpoint_selection only chooses which kept weights are saved: a change re-saves the LoRA
+        continuable=("grpo.${key}.epochs", "grpo.${key}.save_every", "grpo.${key}.checkpoint_selection"),
         # eval.every stays in the identity: it decides which weights are kept for re-evaluation
         evaluation=tuple(f"grpo.${{key}}.eval.{k}" for k in ("resolution", "num_steps", "split", "max_prompts",
                                                               "batch_size")),

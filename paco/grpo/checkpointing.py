@@ -26,6 +26,8 @@ from paco.core.distributed import get_rng_state, set_rng_state, wait_for_everyon
 from paco.core.io import write_json
 from paco.core.params import GrpoSubtaskParams
 from paco.core.stage import broadcast_from_main
+from paco.grpo.ema import swapped_weights
+from paco.grpo.monitors import select_evaluation
 from paco.grpo.plan import evaluation_epochs
 from paco.grpo.policies import OLD_ADAPTER, TRAINED_ADAPTER, Policy
 from paco.grpo.run import GrpoRun, GrpoState
@@ -171,12 +173,39 @@ def save(run: GrpoRun, state: GrpoState) -> str:
     return str(ckdir / name)
 
 
+def selected_epoch(run: GrpoRun, state: GrpoState) -> int:
+    """The epoch whose weights become the LoRA: the last one (``checkpoint_selection: last``), or the
+    evaluation :func:`paco.grpo.monitors.select_evaluation` picks (``monitors``)."""
+    evals = state.history["eval"]
+    if run.cfg.checkpoint_selection == "last" or not evals:
+        return state.epoch
+    return int(evals[select_evaluation(evals)]["epoch"])
+
+
 def save_final(run: GrpoRun, state: GrpoState, lora_dir: str | os.PathLike[str] | None) -> None:
-    """On the main process: the final LoRA in ``lora_dir`` (:func:`save_lora`; the EMA weights if
-    enabled; ``None``: not saved) and ``plots/*.csv``."""
+    """On the main process: the LoRA in ``lora_dir`` (:func:`save_lora`; ``None``: not saved) and
+    ``plots/*.csv``. The LoRA is the final weights (the EMA weights if enabled), or with
+    ``checkpoint_selection: monitors`` the kept weights of the evaluation :func:`selected_epoch`
+    picks (``eval-weights/``, the weights that evaluation scored).
+
+    Raises:
+        FileNotFoundError: the selected evaluation's kept weights are missing."""
     if run.main and lora_dir is not None:
-        with (run.ema.swapped_in(run.trained) if run.ema is not None else contextlib.nullcontext()):
-            save_lora(run.policy, run.cfg, lora_dir)
+        epoch = selected_epoch(run, state)
+        if epoch != state.epoch:
+            from safetensors.torch import load_file
+
+            path = eval_weights_path(run.checkpoints_dir, epoch)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: the weights evaluated after epoch {epoch}, selected as the LoRA, "
+                                        "are missing")
+            log.info("checkpoint selection on the monitors: the LoRA is the weights evaluated after epoch %d "
+                     "(of %d)", epoch, state.epoch)
+            with swapped_weights(run.trained, load_file(str(path))):
+                save_lora(run.policy, run.cfg, lora_dir)
+        else:
+            with (run.ema.swapped_in(run.trained) if run.ema is not None else contextlib.nullcontext()):
+                save_lora(run.policy, run.cfg, lora_dir)
     if run.main:
         ckpt.write_plot_csvs(run.plots_dir, state.history)
 

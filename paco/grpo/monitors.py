@@ -293,3 +293,34 @@ def monitor_warnings(means: Mapping[str, float], reference: Mapping[str, float],
                          f"{'+' if direction > 0 else '-'}{bound:g}): {where}; a sign of reward hacking "
                          "(paco.grpo.monitors)")
     return lines
+
+
+def select_evaluation(rows: Sequence[Mapping[str, Any]], names: Sequence[str] | None = None) -> int:
+    """Checkpoint selection on the monitors: the index of the last evaluation in ``rows`` whose
+    monitors stay within :data:`THRESHOLDS` of the first evaluation's (``rows[0]``: before any
+    update, the base policy's), i.e. for which :func:`monitor_warnings` against ``rows[0]`` is
+    empty.
+
+    Args:
+        rows: the evaluation history in epoch order (dicts with the monitor means, as
+            ``plots/eval.csv``), at least one.
+        names: the monitors that guard (default: every monitor of :data:`THRESHOLDS`).
+
+    Returns:
+        an index into ``rows``; 0 when every later evaluation crossed a bound (the base weights:
+        the LoRA of the first evaluation changes nothing).
+
+    Raises:
+        ValueError: no rows, or an unknown monitor name.
+    """
+    if not rows:
+        raise ValueError("checkpoint selection needs at least one evaluation")
+    guard = list(THRESHOLDS) if names is None else list(names)
+    unknown = sorted(set(guard) - set(THRESHOLDS))
+    if unknown:
+        raise ValueError(f"unknown monitor(s) {unknown}; known: {sorted(THRESHOLDS)}")
+    first = {k: v for k, v in rows[0].items() if k in guard}
+    for i in range(len(rows) - 1, 0, -1):
+        if not monitor_warnings({k: v for k, v in rows[i].items() if k in guard}, first, where=""):
+            return i
+    return 0

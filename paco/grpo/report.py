@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from paco.core.statistics import learning_signal
+from paco.grpo.checkpointing import selected_epoch
 from paco.grpo.monitors import MONITORS
 from paco.grpo.plan import epoch_prompts, trajectory_prompts
 from paco.grpo.run import Advantages, GrpoRun, GrpoState
@@ -62,6 +63,7 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
     }
     # the reward-hacking monitors: final minus first evaluation (paco.grpo.monitors)
     metrics.update({f"{m}_change": final[m] - first[m] for m in MONITORS if m in final and m in first})
+    metrics["lora_epoch"] = selected_epoch(run, state)  # whose weights the LoRA is (checkpoint_selection)
     n_lora = sum(p.numel() for p in run.lora_params)
     report = {
         "run_identity": {"digest": run.identity.digest, "evaluation": run.identity.evaluation_digest,

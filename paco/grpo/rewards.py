@@ -25,6 +25,8 @@ for_editing    image (first) and the edited one (second) under the semantic-cons
                instruction (paper §7; reference ``consistency_for_editing.py``:
                ``math.sqrt(consistency_score * prompt_following_score)``). The original is the
                prompt's ``reference`` image. In [0, 1].
+input_         a guard against reward hacking for editing (not in the paper): the edit's SSIM
+fidelity       to its input (:func:`paco.grpo.monitors.input_ssim`). In [-1, 1].
 =============  ===================================================================================
 
 A reward function never hides a failure: an unreachable judge raises
@@ -47,6 +49,7 @@ from PIL import Image
 
 from paco.core.params import Params, ParamsError
 from paco.data.subfigures import crop_panels, split_grid
+from paco.grpo.monitors import input_ssim
 from paco.core.templates import get_template, judge_instruction
 
 #: The reference's PickScore normaliser ("norm to 0-1": ``scores / 26``).
@@ -367,6 +370,22 @@ def pickscore(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx
     scorer = _need(ctx.pickscore, "PickScore model", "pickscore")
     scores = scorer.image_text_scores(list(images), [p.prompt for p in prompts]).double().numpy()
     return scores / PICKSCORE_SCALE
+
+
+@register("input_fidelity")
+def input_fidelity(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx: RewardContext) -> np.ndarray:
+    """A guard for the editing subtasks: the SSIM of each edit to its input
+    (:func:`paco.grpo.monitors.input_ssim`: greyscale, the input resized to the edit's size), so an
+    edit pays for drifting from its input or covering it with a texture; it enters the advantages
+    under the subtask's aggregation as any reward does. Not in the paper (its editing reward is
+    ``consistency_for_editing`` alone).
+
+    Returns ``(n,)`` float64 in [-1, 1]. Raises :class:`RewardError` for a prompt without a
+    reference (input) image."""
+    missing = [p.prompt_id for p in prompts if p.reference is None]
+    if missing:
+        raise RewardError(f"input_fidelity: prompts {missing[:5]} have no reference (input) image")
+    return np.array([input_ssim(im, p.reference) for im, p in zip(images, prompts, strict=True)], dtype=np.float64)
 
 
 def check_reward_names(names: Iterable[str], where: str, *, source: str = "params.yaml") -> None:

@@ -196,6 +196,10 @@ class GrpoSubtaskParams(_Section):
     aggregation: AggregationParams = Field(default_factory=AggregationParams)
     eval: GrpoEvalParams = Field(default_factory=GrpoEvalParams)
     save_every: int = Field(10, ge=1, description="epochs between checkpoints")
+    checkpoint_selection: Literal["last", "monitors"] = Field(
+        "last", description="the weights saved as the LoRA: last (the final evaluation's, paper) | monitors (the last "
+        "evaluation whose reward-hacking monitors stay within their bounds of the first evaluation's: "
+        "paco.grpo.monitors.select_evaluation; the first evaluation's, i.e. no change, if none does)")
     dtype: Literal["float32", "bfloat16"] = "float32"
     resources: SubtaskResources = Field(default_factory=SubtaskResources)
 
