@@ -149,8 +149,8 @@ def grpo_section(data: Path) -> list[str]:
     lines = ["## PaCo-GRPO", "",
              "Training reward: the mean weighted reward of the first vs the last epochs' samples; p: one-sided "
              "paired t-test over the prompts (items) drawn in both windows (`report.json` `learning_signal`). "
-             "Evaluation: ODE samples of the training prompts at the evaluation resolution, first and last "
-             "evaluation.", "",
+             "Evaluation: ODE samples of the evaluation split's prompts (`grpo.<k>.eval.split`, held-out) at the "
+             "evaluation resolution, first and last evaluation.", "",
              "| subtask | epochs | training reward, first -> last | gain (prompts higher, p) | eval reward, "
              "first -> last | s / epoch | wall s | peak RSS GB |",
              "|---|---|---|---|---|---|---|---|"]
@@ -177,6 +177,87 @@ def grpo_section(data: Path) -> list[str]:
             lines.append(f"| {sub} ({rep['samples'] // 2} pairs, {size}{split}) | {name} | "
                          f"{fmt(r['base_mean'])} | {fmt(r['lora_mean'])} | {fmt_gain(r['lora_minus_base'])} | "
                          f"{r['improved_fraction']:.0%} | {fmt_p(r.get('paired_t_p_value'))} |")
+    return lines
+
+
+#: the independent scorers of ``final_samples.<k>.independent_scorer``, as the page names them
+INDEPENDENT = {"base_judge": "the base judge, zero-shot"}
+
+
+def _monitor_verdict(name: str, change: float, p: float | None) -> str:
+    """``past its bound`` / ``within`` for a LoRA - base change (:data:`paco.grpo.monitors.THRESHOLDS`),
+    with the paired test's reading."""
+    from paco.grpo.monitors import THRESHOLDS
+
+    direction, bound = THRESHOLDS[name]
+    past = direction * change > bound
+    significant = p is not None and p < 0.05 and direction * change > 0
+    return "**past its bound**" if past else ("within its bound, significant" if significant else "within its bound")
+
+
+def hacking_section(data: Path) -> list[str]:
+    """The reward-hacking monitors (:mod:`paco.grpo.monitors`) of the final samples, base against
+    LoRA (``final_samples/<k>/report.json`` ``monitors``), the hacking gap against the independent
+    judge (``hacking_gap``), the monitors of GRPO's first and last evaluation, and one line per
+    subtask in plain words."""
+    from paco.grpo.monitors import THRESHOLDS
+
+    lines = ["## Reward hacking", "",
+             "Monitors that do not ask the judge (`paco.grpo.monitors`), on the final samples, paired by "
+             "(prompt, seed); p: two-sided paired t-test. `grid_artifact`: the share of fine detail explained by "
+             "the position in the latent patch grid (16 px); `high_frequency`: the spectral energy share above a "
+             "quarter of Nyquist; `panel_similarity`: mean SSIM between a composite's panels; `input_ssim`: SSIM of "
+             "an edit to its input. Bound: the change that warns (rise, or fall for `input_ssim`).", "",
+             "| subtask | monitor | base | LoRA | LoRA - base | LoRA higher | p | bound | reading |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    verdicts: dict[str, list[str]] = {}
+    gaps = []
+    for sub in _subtasks(data, "final_samples"):
+        path = data / "final_samples" / sub / "report.json"
+        rep = _load(path)
+        for name, m in rep.get("monitors", {}).items():
+            direction, bound = THRESHOLDS[name]
+            reading = _monitor_verdict(name, m["lora_minus_base"], m.get("paired_t_p_value"))
+            if "past" in reading:
+                verdicts.setdefault(sub, []).append(f"{name} {fmt_gain(m['lora_minus_base'])} "
+                                                    f"(p {fmt_p(m.get('paired_t_p_value'))})")
+            lines.append(f"| {sub} | {name} | {fmt(m['base_mean'], 4)} | {fmt(m['lora_mean'], 4)} | "
+                         f"{fmt_gain(m['lora_minus_base'], 4)} | {m['lora_higher_fraction']:.0%} | "
+                         f"{fmt_p(m.get('paired_t_p_value'))} | {'+' if direction > 0 else '-'}{bound:g} | {reading} |")
+        for name, g in rep.get("hacking_gap", {}).items():
+            gaps.append((sub, name, g))
+    if gaps:
+        params = _load(data / "params_check" / "params.json")
+        lines += ["", "The hacking gap: the LoRA - base gain of the judge reward under the run's judge minus the same "
+                  "gain under a judge the run did not optimise (`final_samples.<k>.independent_scorer`); p: two-sided "
+                  "paired t-test of the per-sample gains under the two judges.", "",
+                  "| subtask | reward | independent judge | gain, run's judge | gain, independent judge | gap | p |",
+                  "|---|---|---|---|---|---|---|"]
+        for sub, name, g in gaps:
+            scorer = params.get("final_samples", {}).get(sub, {}).get("independent_scorer", "base_judge")
+            lines.append(f"| {sub} | {name} | {INDEPENDENT.get(scorer, scorer)} | {fmt_gain(g['optimised_gain'])} | "
+                         f"{fmt_gain(g['independent_gain'])} | {fmt_gain(g['gap'])} | "
+                         f"{fmt_p(g.get('paired_t_p_value'))} |")
+            if g["gap"] > 0 and (g.get("paired_t_p_value") or 1.0) < 0.05:
+                verdicts.setdefault(sub, []).append(f"a hacking gap of {fmt_gain(g['gap'])} in {name} (p "
+                                                    f"{fmt_p(g.get('paired_t_p_value'))})")
+    lines += ["", "GRPO's evaluations (held-out prompts, ODE, the evaluated weights): the monitors of the first "
+              "evaluation (the base: the LoRA starts at zero) and the last; `lora_epoch`: whose weights the LoRA "
+              "is (`grpo.<k>.checkpoint_selection`).", "",
+              "| subtask | monitor | first eval | last eval | change | LoRA epoch |", "|---|---|---|---|---|---|"]
+    for sub in _subtasks(data, "grpo"):
+        path = data / "grpo" / sub / "report.json"
+        rep = _load(path)
+        first, final = rep.get("eval_first", {}), rep.get("eval_final", {})
+        for name in THRESHOLDS:
+            if name in first and name in final:
+                lines.append(f"| {sub} | {name} | {fmt(first[name], 4)} | {fmt(final[name], 4)} | "
+                             f"{fmt_gain(final[name] - first[name], 4)} | {rep.get('lora_epoch', '-')} |")
+    lines += ["", "In plain words:", ""]
+    for sub in _subtasks(data, "final_samples"):
+        found = verdicts.get(sub)
+        lines.append(f"- {sub}: " + (f"the LoRA shows signs of reward hacking: {'; '.join(found)}." if found else
+                                    "no monitor past its bound and no significant hacking gap."))
     return lines
 
 
@@ -409,7 +490,7 @@ def render(data: Path, figures: Path | None, out: Path) -> str:
                       "input / base / LoRA for edits; several MB each).", ""]
             lines += [f"![{sub}: final samples, base and LoRA]({(rel / p.name).as_posix()})\n"
                       for sub, p in excerpts.items()]
-    for section in (judge_section, grpo_section, timing_section):
+    for section in (judge_section, grpo_section, hacking_section, timing_section):
         lines += section(data) + [""]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -69,7 +69,7 @@ def _evaluators(params: Params, cfg, answers: Path, subtask: str) -> list:
 def _score(args: argparse.Namespace, params: Params, cfg, evaluators: list) -> tuple:
     """(scores, metrics, report, table text) of the member's protocol."""
     from paco.benchmark import gedit_run, t2is_local, t2is_run
-    from paco.benchmark.cases import SAMPLE_COLUMNS
+    from paco.benchmark.cases import SAMPLE_COLUMNS, monitor_summary
     from paco.benchmark.gedit_bench import OFFICIAL_TASK_TYPES
     from paco.benchmark.tables import gedit_table, stand_in_notes, t2is_table
 
@@ -96,7 +96,9 @@ def _score(args: argparse.Namespace, params: Params, cfg, evaluators: list) -> t
         scores, metrics, report = t2is_run.score_t2is(plan, answers, prompt_alignment=cfg.t2is.prompt_alignment,
                                                       local=local)
         notes = stand_in_notes("t2is", cfg, described, report["not_scored"], extra)
-        return scores, metrics, report, t2is_table(args.subtask, metrics, described, notes), len(plan.requests)
+        metrics["monitors"] = monitor_summary(samples, seeds_per_prompt=cfg.seeds_per_prompt, max_prompts=cfg.max_prompts)
+        table = t2is_table(args.subtask, metrics, described, notes) + _monitor_text(metrics["monitors"])
+        return scores, metrics, report, table, len(plan.requests)
     items = read_parquet(args.items, required=gedit_run.EDIT_COLUMNS)
     plan = gedit_run.plan_gedit(samples, items, seeds_per_prompt=cfg.seeds_per_prompt, max_prompts=cfg.max_prompts)
     log.info("benchmark@%s: GEdit-Bench, %d cases, %d SC + %d PQ requests per evaluator", args.subtask,
@@ -110,7 +112,17 @@ def _score(args: argparse.Namespace, params: Params, cfg, evaluators: list) -> t
                      f"task types (no scored item of {', '.join(missing)} for some variant or evaluator: see "
                      "metrics.json missing_task_types; GEdit-Bench's own mean would be NaN)")
     notes = stand_in_notes("gedit", cfg, described, report["not_scored"], extra)
-    return scores, metrics, report, gedit_table(args.subtask, metrics, described, notes), 2 * len(plan.units)
+    metrics["monitors"] = monitor_summary(samples, seeds_per_prompt=cfg.seeds_per_prompt, max_prompts=cfg.max_prompts)
+    table = gedit_table(args.subtask, metrics, described, notes) + _monitor_text(metrics["monitors"])
+    return scores, metrics, report, table, 2 * len(plan.units)
+
+
+def _monitor_text(monitors: dict) -> str:
+    """The reward-hacking monitors' section of ``table.md`` (:func:`paco.benchmark.tables.monitor_lines`)."""
+    from paco.benchmark.tables import monitor_lines
+
+    lines = monitor_lines(monitors)
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def run_identity(params: Params, subtask: str, params_path: str | Path, *, args: argparse.Namespace | None = None,

@@ -53,7 +53,8 @@ def generate(p):
                 up = 0.0 if v == "base" else slope * 5
                 samples.append({"prompt_id": f"p{i}", "seed": s, "variant": v,
                                 "reward_a": 0.3 + 0.01 * i + up + 0.01 * rng.standard_normal(),
-                                "reward_b": 0.1 - 0.01 * s + up / 2 + 0.01 * rng.standard_normal()})
+                                "reward_b": 0.1 - 0.01 * s + up / 2 + 0.01 * rng.standard_normal(),
+                                "monitor_grid_artifact": 0.02 + up / 4 + 0.005 * rng.standard_normal()})
     return train, ev, pd.DataFrame(samples)
 
 def judge(p):
@@ -75,7 +76,9 @@ if __name__ == "__main__":
         del metrics["eval_reward"]
     json.dump(metrics, open("data/grpo/t2is/metrics.json", "w"))
     samples.to_parquet("data/final_samples/t2is/samples.parquet", index=False)
-    json.dump({"n": len(samples)}, open("data/final_samples/t2is/metrics.json", "w"))
+    gap = float(p["grpo"]["t2is"]["train"]["resolution"]) / 1000
+    json.dump({"n": len(samples), "hacking_gap": gap, "hacking_gap_p": 0.01},
+              open("data/final_samples/t2is/metrics.json", "w"))
     pred = judge(p)
     os.makedirs("data/reward_eval", exist_ok=True)
     pred.to_parquet("data/reward_eval/predictions.parquet", index=False)
@@ -262,6 +265,13 @@ def test_report_table_and_statistics(repo, tmp_path):
         # s / epoch: the mean of 1.5 e s, e = 1..10, from its log; none for aggregation (no log, not queued)
         assert cells[11] == ("8.25" if name == "resolution" else "n/a")
         assert float(cells[12]) == pytest.approx(r["reward_ratio"], abs=5e-3)
+        # the reward-hacking table: the experiment's own hacking gap, its LoRA samples' monitor against the baseline's
+        lora, b_lora = (t[t["variant"] == "lora"].sort_values(["prompt_id", "seed"]) for t in (s, b_s))
+        m = r["monitors"]
+        assert m["hacking_gap"] == pytest.approx((64 if name == "resolution" else 32) / 1000)
+        assert m["grid_artifact"]["t_p"] == pytest.approx(
+            stats.ttest_rel(lora["monitor_grid_artifact"], b_lora["monitor_grid_artifact"]).pvalue)
+    assert "reward-hacking monitors of the final LoRA samples" in md
     base_row = next(line for line in md.splitlines() if line.startswith("| main |"))
     base_cells = [c.strip() for c in base_row.strip("|").split("|")]
     assert base_cells[1] == "(baseline)" and base_cells[11] == "2.00"  # the --log file, grpo@t2is epochs only

@@ -67,7 +67,9 @@ def data(tmp_path):
         "epochs": 16, "seconds_per_epoch": 10.98, "run": _run(192.55, 755.7),
         "learning_signal": {"first_epochs_reward": 0.14563, "last_epochs_reward": 0.16778, "improvement": 0.022155,
                             "prompts_improved": 22, "prompts_paired": 22, "p_value": 5.59e-10},
-        "eval_first": {"reward": 0.20448}, "eval_final": {"reward": 0.22727}})
+        "eval_first": {"reward": 0.20448, "grid_artifact": 0.0157}, "eval_final": {"reward": 0.22727,
+                                                                                   "grid_artifact": 0.0412},
+        "lora_epoch": 16})
     (d / "grpo" / "t2is" / "plots").mkdir()
     pd.DataFrame({"epoch": [1, 2], "reward": [0.14, 0.15]}).to_csv(d / "grpo" / "t2is" / "plots" / "train.csv", index=False)
     _write(d / "final_samples" / "t2is" / "report.json", {
@@ -75,7 +77,13 @@ def data(tmp_path):
         "rewards": {"consistency": {"base_mean": 0.83132, "lora_mean": 0.95884, "lora_minus_base": 0.12753,
                                     "improved_fraction": 1.0, "paired_t_p_value": 6.4e-14},
                     "clip_t": {"base_mean": 0.01705, "lora_mean": 0.01841, "lora_minus_base": 0.00136,
-                               "improved_fraction": 0.4375}}})
+                               "improved_fraction": 0.4375}},
+        "monitors": {"grid_artifact": {"base_mean": 0.0157, "lora_mean": 0.0282, "lora_minus_base": 0.0125,
+                                       "lora_higher_fraction": 0.84375, "paired_t_p_value": 3.2e-5},
+                     "panel_similarity": {"base_mean": 0.5365, "lora_mean": 0.5185, "lora_minus_base": -0.018,
+                                          "lora_higher_fraction": 0.0625, "paired_t_p_value": 9.1e-8}},
+        "hacking_gap": {"consistency": {"optimised_gain": 0.12753, "independent_gain": 0.02, "gap": 0.10753,
+                                        "paired_t_p_value": 2.5e-6}}})
     _samples(T2IS_SAMPLES).to_parquet(d / "final_samples" / "t2is" / "samples.parquet")
     _write(d / "prompts" / "report.json", {"run": _run(0.4, 140.0, torch=None)})
     return d
@@ -94,6 +102,13 @@ def test_the_page_holds_the_runs_figures(data, tmp_path):
     assert "| t2is (32 pairs, 256 px) | clip_t | 0.017 | 0.018 | +0.001 | 44% | - |" in page  # no test: no p
     assert "| prompts | 0 | 0.14 | 1 x - |" in page and "| grpo@t2is | 193 | 0.74 | 1 x 2 |" in page
     assert "GRPO seeds: t2is 3; reward_train seed 0." in page
+    assert ("| t2is | grid_artifact | 0.0157 | 0.0282 | +0.0125 | 84% | 3e-05 | +0.01 | **past its bound** |"
+            in page)
+    assert "| t2is | panel_similarity | 0.5365 | 0.5185 | -0.0180 | 6% | 9e-08 | +0.05 | within its bound |" in page
+    assert ("| t2is | consistency | the base judge, zero-shot | +0.128 | +0.020 | +0.108 | 3e-06 |" in page)
+    assert "| t2is | grid_artifact | 0.0157 | 0.0412 | +0.0255 | 16 |" in page
+    assert ("- t2is: the LoRA shows signs of reward hacking: grid_artifact +0.013 (p 3e-05); a hacking gap of "
+            "+0.108 in consistency (p 3e-06)." in page)
     assert "![GRPO training reward per epoch](fig/grpo_reward_curves.png)" in page
     assert (tmp_path / "docs" / "fig" / "grpo_reward_curves.png").stat().st_size > 1000
     assert "![t2is: final samples, base and LoRA](fig/samples_t2is.jpg)" in page

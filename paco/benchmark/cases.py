@@ -129,3 +129,32 @@ def finite_or_none(v: Any) -> float | None:
         return None
     v = float(v)
     return None if math.isnan(v) else v
+
+
+def monitor_summary(samples: pd.DataFrame, *, seeds_per_prompt: int | None, max_prompts: int | None
+                    ) -> dict[str, Any]:
+    """The reward-hacking monitors final sampling measured (``samples.parquet``'s
+    ``monitor_<name>`` columns, :mod:`paco.grpo.monitors`) over the cases the benchmark scores
+    (:func:`select_samples`): per monitor the ``base`` and ``lora`` means (over finite values;
+    a monitor is NaN where a panel is too small for it) and ``lora_minus_base`` (:func:`paired`);
+    empty for samples without monitor columns (written before the monitors existed).
+
+    Raises:
+        ArtifactError: see :func:`select_samples`.
+    """
+    import numpy as np
+
+    columns = [c for c in samples.columns if c.startswith("monitor_")]
+    if not columns:
+        return {}
+    df = select_samples(samples, seeds_per_prompt=seeds_per_prompt, max_prompts=max_prompts)
+    out: dict[str, Any] = {}
+    for col in columns:
+        per = {v: {c: (float(x) if np.isfinite(x) else None) for c, x in zip(g["case_id"], g[col], strict=True)}
+               for v, g in df.groupby("variant")}
+        means = {v: [x for x in per.get(v, {}).values() if x is not None] for v in VARIANTS}
+        if not all(means.values()):
+            continue
+        out[col.removeprefix("monitor_")] = {"base": float(np.mean(means["base"])), "lora": float(np.mean(means["lora"])),
+                                             "lora_minus_base": paired(per["base"], per["lora"])}
+    return out

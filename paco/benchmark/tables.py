@@ -91,6 +91,21 @@ def gedit_table(subtask: str, metrics: Mapping[str, Any], evaluators: Mapping[st
     return "\n".join(lines) + "\n"
 
 
+def monitor_lines(monitors: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The table's reward-hacking section: per monitor (:mod:`paco.grpo.monitors`, measured by
+    final sampling on the scored cases) the base and LoRA means and LoRA minus base with its paired
+    p-value, beside the benchmark's own figures; empty without monitors."""
+    if not monitors:
+        return []
+    lines = ["", "Reward-hacking monitors of the scored cases (`paco.grpo.monitors`, measured by final_samples):", "",
+             "| monitor | base | LoRA | LoRA - base | p | n |", "|---|---|---|---|---|---|"]
+    for name, m in monitors.items():
+        d = m["lora_minus_base"]
+        diff = "" if d["mean_diff"] is None else f"{d['mean_diff']:+.4f}"
+        lines.append(f"| {name} | {m['base']:.4f} | {m['lora']:.4f} | {diff} | {_p(d)} | {d['n']} |")
+    return lines
+
+
 def stand_in_notes(protocol: str, cfg: Any, evaluators: Mapping[str, Mapping[str, Any]],
                    not_scored: Mapping[str, str], extra: Sequence[str] = ()) -> list[str]:
     """The notes of ``table.md``: what in this run stands in for the paper's protocol (evaluators

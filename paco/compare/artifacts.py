@@ -33,8 +33,10 @@ def read_csv(repo: str | Path, exp: Experiment, path: str) -> pd.DataFrame:
     return pd.read_csv(io.BytesIO(read_bytes(repo, exp.rev, path, exp.name)))
 
 
-def read_parquet(repo: str | Path, exp: Experiment, path: str, columns: Sequence[str] | None = None) -> pd.DataFrame:
-    """A Parquet table at the experiment's revision; only ``columns`` (all when ``None``) are decoded.
+def read_parquet(repo: str | Path, exp: Experiment, path: str, columns: Sequence[str] | None = None, *,
+                 optional_prefix: str | None = None) -> pd.DataFrame:
+    """A Parquet table at the experiment's revision; only ``columns`` (all when ``None``) are decoded,
+    and with ``optional_prefix`` also every column whose name starts with it (none is required).
 
     Raises:
         MissingMetricError: the file is unreadable or lacks one of ``columns`` (named)."""
@@ -46,6 +48,8 @@ def read_parquet(repo: str | Path, exp: Experiment, path: str, columns: Sequence
         missing = [c for c in columns if c not in names]
         if missing:
             raise MissingMetricError(f"experiment {exp.name!r}: {path}: column(s) {missing} missing (has {names})")
+        if optional_prefix is not None:
+            columns = [*columns, *(n for n in names if n.startswith(optional_prefix) and n not in columns)]
         buf.seek(0)
     return pd.read_parquet(buf, columns=list(columns) if columns is not None else None)
 
@@ -68,6 +72,7 @@ class GrpoData:
     lora: pd.DataFrame  # final samples with the LoRA, indexed by (prompt_id, seed): weighted + per reward
     weights: dict[str, float]
     seconds: dict[int, float]
+    monitors: pd.DataFrame  # the same samples' reward-hacking monitors (paco.grpo.monitors); no columns: none
 
 
 def _weights(exp: Experiment, subtask: str) -> dict[str, float]:
@@ -78,22 +83,28 @@ def _weights(exp: Experiment, subtask: str) -> dict[str, float]:
     return w
 
 
-def load_grpo(repo: str | Path, exp: Experiment, subtask: str, logs: Mapping[str, str]) -> GrpoData:
-    """Read one experiment's GRPO curves, final LoRA samples and (if any) epoch timings."""
+def load_grpo(repo: str | Path, exp: Experiment, subtask: str, logs: Mapping[str, str],
+              weights: Mapping[str, float] | None = None) -> GrpoData:
+    """Read one experiment's GRPO curves, final LoRA samples (with their monitors, if any) and (if
+    any) epoch timings. The final-sample reward is ``sum_k w_k r_k`` over ``weights`` (default: the
+    experiment's own ``grpo.<subtask>.rewards``; the report passes the baseline's, so that an
+    experiment that adds a guard reward is scored with the same formula)."""
     base = f"data/grpo/{subtask}/plots"
     train = read_csv(repo, exp, f"{base}/train.csv")
     ev = read_csv(repo, exp, f"{base}/eval.csv")
     _need(train, ["epoch", "reward"], f"experiment {exp.name!r}: {base}/train.csv")
     _need(ev, ["epoch", "reward"], f"experiment {exp.name!r}: {base}/eval.csv")
-    weights = _weights(exp, subtask)
+    weights = dict(_weights(exp, subtask) if weights is None else weights)
     path = f"data/final_samples/{subtask}/samples.parquet"
     cols = [f"reward_{k}" for k in weights]
-    s = read_parquet(repo, exp, path, columns=["prompt_id", "seed", "variant", *cols])
-    lora = s[s["variant"] == "lora"].set_index(["prompt_id", "seed"]).sort_index()[cols]
+    s = read_parquet(repo, exp, path, columns=["prompt_id", "seed", "variant", *cols], optional_prefix="monitor_")
+    lora = s[s["variant"] == "lora"].set_index(["prompt_id", "seed"]).sort_index()
     if lora.index.duplicated().any():
         raise CompareError(f"experiment {exp.name!r}: {path} has duplicate (prompt_id, seed) LoRA samples")
-    lora = lora.rename(columns=lambda c: c[len("reward_"):])
+    monitors = lora[[c for c in lora.columns if c.startswith("monitor_")]].rename(
+        columns=lambda c: c[len("monitor_"):])
+    lora = lora[cols].rename(columns=lambda c: c[len("reward_"):])
     lora["reward"] = sum(w * lora[k] for k, w in weights.items())
     text = logs.get(exp.name)
     seconds = epoch_seconds(text, f"grpo@{subtask}") if text else {}
-    return GrpoData(exp, train.sort_values("epoch"), ev.sort_values("epoch"), lora, weights, seconds)
+    return GrpoData(exp, train.sort_values("epoch"), ev.sort_values("epoch"), lora, weights, seconds, monitors)

@@ -55,8 +55,8 @@ def grpo_section(repo: str | Path, exps: Sequence[Experiment], subtask: str, win
     """The GRPO tables (markdown lines), the loaded data and the figures as a dict."""
     base = exps[0]
     mpath = f"data/grpo/{subtask}/metrics.json"
-    data = [load_grpo(repo, e, subtask, logs) for e in exps]
-    b = data[0]
+    b = load_grpo(repo, base, subtask, logs)
+    data = [b, *(load_grpo(repo, e, subtask, logs, weights=b.weights) for e in exps[1:])]
     for d in data[1:]:
         if not d.lora.index.equals(b.lora.index):
             raise CompareError(f"experiment {d.exp.name!r}: its final samples' (prompt_id, seed) differ from the "
@@ -112,6 +112,7 @@ def grpo_section(repo: str | Path, exps: Sequence[Experiment], subtask: str, win
                 cells += [_fmt(float(d.lora[k].mean())), _signed(t["mean_diff"]), _pval(t["t_p"])]
                 results[d.exp.name].setdefault("final_per_reward", {})[k] = t
         lines.append(f"| {d.exp.name} | " + " | ".join(cells) + " |")
+    lines += monitor_lines(data, subtask, results)
     lines += ["", f"### GRPO `{subtask}`: standardised growth per reward (last vs first {window} epochs)", "",
               "| experiment | " + " | ".join(reward_names(b.train)) + " | reward ratio |",
               "|---|" + "---|" * (len(reward_names(b.train)) + 1)]
@@ -120,6 +121,43 @@ def grpo_section(repo: str | Path, exps: Sequence[Experiment], subtask: str, win
         lines.append(f"| {d.exp.name} | " + " | ".join(_signed(g[k]) for k in reward_names(b.train))
                      + f" | {_fmt(results[d.exp.name]['reward_ratio'], 2)} |")
     return lines, data, results
+
+
+def monitor_lines(data: Sequence[GrpoData], subtask: str, results: dict[str, Any]) -> list[str]:
+    """The reward-hacking table (:mod:`paco.grpo.monitors`): per experiment the hacking gap of its
+    final samples (``final_samples`` metrics.json ``hacking_gap``, LoRA - base within the
+    experiment) and every monitor of its LoRA samples with the difference from the baseline's LoRA
+    samples (paired t-test over (prompt, seed)); ``results`` gains ``monitors``. Empty when the
+    baseline's samples have no monitors."""
+    b = data[0]
+    names = [m for m in b.monitors.columns if all(m in d.monitors.columns for d in data)]
+    if not names:
+        return []
+    mpath = f"data/final_samples/{subtask}/metrics.json"
+    lines = ["", f"### GRPO `{subtask}`: reward-hacking monitors of the final LoRA samples", "",
+             "Hacking gap: the LoRA - base gain under the run's judge minus that under the independent judge, within "
+             "each experiment (`final_samples` metrics.json; p: paired over its samples). Monitors: the LoRA samples' "
+             "means, Δ against the baseline's LoRA samples, p from a paired t-test (`paco.grpo.monitors`: which "
+             "setting hacks less).", "",
+             "| experiment | hacking gap | p | " + " | ".join(f"{m} | Δ | p (t)" for m in names) + " |",
+             "|---|---|---|" + "---|---|---|" * len(names)]
+    for d in data:
+        e = d.exp
+        gap = e.metrics.get(mpath, {}).get("hacking_gap")
+        gap_p = e.metrics.get(mpath, {}).get("hacking_gap_p")
+        cells, entry = [], {"hacking_gap": gap, "hacking_gap_p": gap_p}
+        for m in names:
+            keep = d.monitors[m].notna() & b.monitors[m].notna()
+            mean = float(d.monitors[m][keep].mean()) if keep.any() else None
+            if e.baseline or keep.sum() < 2:
+                cells += [_fmt(mean), "", ""]
+                continue
+            t = paired_test(d.monitors[m][keep].to_numpy(), b.monitors[m][keep].to_numpy())
+            entry[m] = t
+            cells += [_fmt(mean), _signed(t["mean_diff"]), _pval(t["t_p"])]
+        results[e.name]["monitors"] = entry
+        lines.append(f"| {e.name} | {_signed(gap)} | {_pval(gap_p)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def judge_section(repo: str | Path, exps: Sequence[Experiment]) -> tuple[list[str], dict[str, Any]]:

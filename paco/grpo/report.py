@@ -90,6 +90,7 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
         "train_final": state.history["train"][-1] if state.history["train"] else {},
         "eval_first": first,
         "eval_final": final,
+        "lora_epoch": metrics["lora_epoch"],
         "seconds": {k: round(v, 2) for k, v in state.timings.items()},
         "seconds_per_epoch": (round(sum(state.timings[k] for k in ("rollout", "reward", "train")) /
                                     state.epochs_this_run, 3) if state.epochs_this_run else None),
