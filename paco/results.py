@@ -241,15 +241,17 @@ def hacking_section(data: Path) -> list[str]:
             if g["gap"] > 0 and (g.get("paired_t_p_value") or 1.0) < 0.05:
                 verdicts.setdefault(sub, []).append(f"a hacking gap of {fmt_gain(g['gap'])} in {name} (p "
                                                     f"{fmt_p(g.get('paired_t_p_value'))})")
-    lines += ["", "GRPO's evaluations (held-out prompts, ODE, the evaluated weights): the monitors of the first "
-              "evaluation (the base: the LoRA starts at zero) and the last; `lora_epoch`: whose weights the LoRA "
-              "is (`grpo.<k>.checkpoint_selection`).", "",
-              "| subtask | monitor | first eval | last eval | change | LoRA epoch |", "|---|---|---|---|---|---|"]
+    lines += ["", "GRPO's evaluations (ODE, the evaluated weights): the weighted reward on the held-out prompts "
+              "(`reward`) and on the first `eval.train_prompts` training prompts (`train_reward`: a gain there but not "
+              "on the held-out prompts is a reward the policy learnt by heart), and the held-out samples' monitors, "
+              "at the first evaluation (the base: the LoRA starts at zero) and the last; `lora_epoch`: whose weights "
+              "the LoRA is (`grpo.<k>.checkpoint_selection`).", "",
+              "| subtask | figure | first eval | last eval | change | LoRA epoch |", "|---|---|---|---|---|---|"]
     for sub in _subtasks(data, "grpo"):
         path = data / "grpo" / sub / "report.json"
         rep = _load(path)
         first, final = rep.get("eval_first", {}), rep.get("eval_final", {})
-        for name in THRESHOLDS:
+        for name in ("reward", "train_reward", *THRESHOLDS):  # held-out, then the training prompts' reward
             if name in first and name in final:
                 lines.append(f"| {sub} | {name} | {fmt(first[name], 4)} | {fmt(final[name], 4)} | "
                              f"{fmt_gain(final[name] - first[name], 4)} | {rep.get('lora_epoch', '-')} |")

@@ -121,12 +121,16 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     assert m["epochs_this_run"] == 2 and m["judge"]["requests"] > 0
     metrics = json.loads((g / "metrics.json").read_text())
     monitors = {k for k in metrics if k.endswith("_change")}
-    assert set(metrics) - monitors == {"train_gain", "train_gain_p", "eval_reward", "lora_epoch"}
+    assert set(metrics) - monitors == {"train_gain", "train_gain_p", "eval_reward", "lora_epoch", "eval_gain",
+                                       "eval_train_gain"}
     # the 32 px panels are too small for the 16 px grid score; the others are measured
     assert monitors == {"grid_artifact_2px_change", "high_frequency_change", "panel_similarity_change"}
     assert all(np.isfinite(metrics[k]) for k in monitors) and metrics["lora_epoch"] == 2
     evals = pd.read_csv(g / "plots" / "eval.csv")
     assert {"grid_artifact_2px", "high_frequency", "panel_similarity"} <= set(evals.columns)
+    # eval.train_prompts: the training prompts evaluated beside the held-out ones
+    assert {"train_reward", "train_prompts"} <= set(evals.columns) and (evals["train_prompts"] > 0).all()
+    assert metrics["eval_train_gain"] == pytest.approx(evals["train_reward"].iloc[-1] - evals["train_reward"].iloc[0])
     assert (g / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (g / "ck" / "judge_server.log").is_file() and len(list((g / "ck").glob("epoch-*"))) == 2
     for name in ("train.csv", "eval.csv"):

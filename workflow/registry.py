@@ -271,7 +271,7 @@ STAGES += (
         continuable=("grpo.${key}.epochs", "grpo.${key}.save_every", "grpo.${key}.checkpoint_selection"),
         # eval.every stays in the identity: it decides which weights are kept for re-evaluation
         evaluation=tuple(f"grpo.${{key}}.eval.{k}" for k in ("resolution", "num_steps", "split", "max_prompts",
-                                                              "batch_size")),
+                                                              "train_prompts", "batch_size")),
         # judge_endpoint.server.gpus: how the job's GPUs are split (engine and the vLLM flags are not launch-only)
         launch=("grpo.${key}.resources", "grpo.${key}.rollout.overlap_rewards", "judge_endpoint.server.gpus",
                 "judge_endpoint.server.max_restarts"),

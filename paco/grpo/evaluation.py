@@ -90,7 +90,9 @@ def evaluate(policy: Policy, prompts: Sequence[SubtaskItem], sizes: Sequence[tup
 
 def evaluate_weights(run: GrpoRun, epoch: int, weights: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Evaluate (:func:`evaluate`) ``weights`` (default :meth:`paco.grpo.run.GrpoRun.eval_weights`) in the
-    trained adapter; the main process keeps the weights as ``eval-weights/epoch-NNNN.safetensors``
+    trained adapter on the evaluation split's prompts, and on the first ``eval.train_prompts`` training
+    prompts (``train_reward``, ``train_<reward>_mean``; their samples draw their noise as the held-out
+    prompts do, by prompt id); the main process keeps the weights as ``eval-weights/epoch-NNNN.safetensors``
     so that a change of the evaluation params re-evaluates them without retraining."""
     weights = run.eval_weights() if weights is None else weights
     if run.main:
@@ -98,9 +100,15 @@ def evaluate_weights(run: GrpoRun, epoch: int, weights: dict[str, torch.Tensor] 
     with swapped_weights(run.trained, weights), run.policy.using(TRAINED_ADAPTER):
         res = evaluate(run.policy, run.eval_prompts, run.eval_sizes, run.cfg, run.ctx, rank=run.rank,
                        world=run.world, accelerator=run.accelerator)
+        if run.eval_train_prompts:  # the training prompts beside them: training against held-out reward
+            seen = evaluate(run.policy, run.eval_train_prompts, run.eval_train_sizes, run.cfg, run.ctx,
+                            rank=run.rank, world=run.world, accelerator=run.accelerator)
+            res.update({"train_prompts": seen["prompts"], "train_reward": seen["reward"],
+                        **{f"train_{k}_mean": seen[f"{k}_mean"] for k in run.cfg.rewards}})
     if run.main:
-        log.info("eval after epoch %d at %dpx: reward %.4f (%s)", epoch, run.cfg.eval.resolution, res["reward"],
-                 ", ".join(f"{k} {res[f'{k}_mean']:.4f}" for k in run.cfg.rewards))
+        log.info("eval after epoch %d at %dpx: reward %.4f (%s)%s", epoch, run.cfg.eval.resolution, res["reward"],
+                 ", ".join(f"{k} {res[f'{k}_mean']:.4f}" for k in run.cfg.rewards),
+                 f"; training prompts {res['train_reward']:.4f}" if "train_reward" in res else "")
     return {"epoch": epoch, **res}
 
 

@@ -64,6 +64,10 @@ def summarise(run: GrpoRun, state: GrpoState, wall: float) -> dict[str, Any]:
     # the reward-hacking monitors: final minus first evaluation (paco.grpo.monitors)
     metrics.update({f"{m}_change": final[m] - first[m] for m in MONITORS if m in final and m in first})
     metrics["lora_epoch"] = selected_epoch(run, state)  # whose weights the LoRA is (checkpoint_selection)
+    if "reward" in final and "reward" in first:  # held-out against training prompts, final minus first evaluation
+        metrics["eval_gain"] = final["reward"] - first["reward"]
+    if "train_reward" in final and "train_reward" in first:
+        metrics["eval_train_gain"] = final["train_reward"] - first["train_reward"]
     n_lora = sum(p.numel() for p in run.lora_params)
     report = {
         "run_identity": {"digest": run.identity.digest, "evaluation": run.identity.evaluation_digest,

@@ -54,6 +54,9 @@ class GrpoRun:
     eval_sizes: list[tuple[int, int]]
     checkpoints_dir: Path
     plots_dir: Path | None
+    #: the training prompts evaluated beside the held-out ones (``eval.train_prompts``) and their sizes
+    eval_train_prompts: list[SubtaskItem] = field(default_factory=list)
+    eval_train_sizes: list[tuple[int, int]] = field(default_factory=list)
     #: (prompt id, height, width) -> the prompt's conditioning at that size, on the CPU: the
     #: encoders are frozen, so a prompt drawn again in a later epoch reuses it (:meth:`condition`)
     conditions: dict[tuple[str, int, int], Conditioning] = field(default_factory=dict)

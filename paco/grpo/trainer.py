@@ -315,6 +315,8 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
         eval_sizes=[grid_size(*size_of[p], cfg.eval.resolution) for p in eval_ids],
         checkpoints_dir=Path(checkpoints_dir),
         plots_dir=Path(plots_dir) if (plots_dir is not None and rank == 0) else None,
+        eval_train_prompts=[infos[p] for p in train_ids[:cfg.eval.train_prompts]],
+        eval_train_sizes=[grid_size(*size_of[p], cfg.eval.resolution) for p in train_ids[:cfg.eval.train_prompts]],
     )
     if run.main:
         n_lora = sum(p.numel() for p in run.lora_params)

@@ -148,6 +148,9 @@ class GrpoEvalParams(_Section):
     every: int = Field(10, ge=1, description="epochs between evaluations (and after the last)")
     split: str = "test"
     max_prompts: int | None = Field(None, ge=1)
+    train_prompts: int = Field(0, ge=0, description="training prompts (the first N of the training split by id) "
+                               "evaluated beside the evaluation split's, for the training against held-out reward "
+                               "(train_reward in eval.csv); 0: none")
     batch_size: int = Field(4, ge=1)
 
 
