@@ -336,3 +336,22 @@ def test_the_input_fidelity_guard_is_ssim_to_the_input_and_enters_the_aggregatio
                                   if v.std() / v.mean() > 0.2}
     with pytest.raises(RewardError, match="no reference"):
         compute_rewards(["input_fidelity"], edits[:1], [SubtaskItem("x", "p", "", 1, 1, ("p",))], RewardContext())
+
+
+def test_the_grid_free_guard_is_one_minus_the_grid_score_at_the_latent_period():
+    from paco.grpo.monitors import grid_artifact_score, greyscale
+
+    rng = np.random.default_rng(1)
+    base = np.clip(np.cumsum(rng.normal(0, 0.02, (64, 64)), axis=1) + 0.5, 0, 1)
+    ii, jj = np.indices((64, 64))
+    checker = 0.1 * np.where((ii // 8 + jj // 8) % 2 == 0, 1.0, -1.0)
+    images = [Image.fromarray(np.round(np.clip(x, 0, 1) * 255).astype(np.uint8)).convert("RGB")
+              for x in (base, base + checker)]
+    items = [SubtaskItem(f"e{i}", "edit it", "", 1, 1, ("edit it",), reference=images[0]) for i in range(2)]
+    ctx = RewardContext(split_method="equal", latent_period=16)
+    got = compute_rewards(["grid_free"], images, items, ctx)["grid_free"]
+    np.testing.assert_allclose(got, [1 - grid_artifact_score(greyscale(im), 16) for im in images], rtol=1e-12)
+    assert got[1] < got[0] - 0.1  # the checkerboard costs reward
+    small = [Image.new("RGB", (24, 24))]
+    with pytest.raises(RewardError, match="large enough"):
+        compute_rewards(["grid_free"], small, items[:1], ctx)

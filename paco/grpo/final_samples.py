@@ -149,6 +149,7 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
     dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and device.type == "cuda") else torch.float32
     policy = load_policy(cfg.family, policy_dir, None, cfg, dtype=dtype, device=device)
     ctx.connect()  # a pending judge (make_reward_context(connect=False)): its server started while the policy loaded
+    ctx.latent_period = policy.size_multiple  # what the grid_free reward measures
     jobs = [(p, k, sample_size(int(r["height"]), int(r["width"]), cfg.resolution, policy.size_multiple))
             for p, r in zip(infos, chosen.to_dict("records"), strict=True) for k in range(cfg.seeds_per_prompt)]
     mine = list(range(rank, len(jobs), world))

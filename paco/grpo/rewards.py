@@ -27,6 +27,9 @@ for_editing    image (first) and the edited one (second) under the semantic-cons
                prompt's ``reference`` image. In [0, 1].
 input_         a guard against reward hacking for editing (not in the paper): the edit's SSIM
 fidelity       to its input (:func:`paco.grpo.monitors.input_ssim`). In [-1, 1].
+grid_free      a guard against grid textures (not in the paper): ``1 -`` the grid artifact score
+               at the policy's latent patch period (:func:`paco.grpo.monitors.grid_artifact_score`),
+               the mean over the panels. At most 1 (about 1 without a grid texture).
 =============  ===================================================================================
 
 A reward function never hides a failure: an unreachable judge raises
@@ -49,7 +52,7 @@ from PIL import Image
 
 from paco.core.params import Params, ParamsError
 from paco.data.subfigures import crop_panels, split_grid
-from paco.grpo.monitors import input_ssim
+from paco.grpo.monitors import grid_artifact_score, grid_measurable, greyscale, input_ssim
 from paco.core.templates import get_template, judge_instruction
 
 #: The reference's PickScore normaliser ("norm to 0-1": ``scores / 26``).
@@ -144,6 +147,9 @@ class RewardContext:
             ``pickscore``.
         instruction: ``theme`` (the T2IS theme template, paper) or ``rank`` (theme-free).
         split_method, tolerance: how grids are cut (``subfigures`` params).
+        latent_period: the policy's latent patch period in px (VAE stride x patch size:
+            :attr:`paco.grpo.policies.Policy.size_multiple`, 16 for FLUX.1 and Qwen-Image), which
+            ``grid_free`` measures; the trainer sets it from the policy it loads.
         pending_judge: makes ``judge`` when :meth:`connect` is called (``make_reward_context(...,
             connect=False)``: the judge is reached after the policy has loaded); ``None``: nothing
             pending.
@@ -155,6 +161,7 @@ class RewardContext:
     instruction: str = "theme"
     split_method: str = "refine"
     tolerance: float = 0.08
+    latent_period: int = 16
     pending_judge: Callable[[], Any] | None = field(default=None, repr=False)
 
     def connect(self) -> RewardContext:
@@ -386,6 +393,27 @@ def input_fidelity(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem]
     if missing:
         raise RewardError(f"input_fidelity: prompts {missing[:5]} have no reference (input) image")
     return np.array([input_ssim(im, p.reference) for im, p in zip(images, prompts, strict=True)], dtype=np.float64)
+
+
+@register("grid_free")
+def grid_free(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx: RewardContext) -> np.ndarray:
+    """A guard against grid textures (not in the paper): ``1 - grid_artifact``, the monitor
+    :func:`paco.grpo.monitors.grid_artifact_score` at ``ctx.latent_period``, averaged over each
+    sample's panels (the grid cut as the other rewards cut it), so a texture at the latent patch
+    grid costs reward; it enters the advantages under the subtask's aggregation as any reward does.
+
+    Returns ``(n,)`` float64, at least 0 (about 1 without a grid texture). Raises
+    :class:`RewardError` when a sample has no panel large enough for the period
+    (:func:`paco.grpo.monitors.grid_measurable`)."""
+    out = []
+    for image, prompt in zip(images, prompts, strict=True):
+        grey = [greyscale(p) for p in ctx.panels(image, prompt)]
+        scores = [grid_artifact_score(g, ctx.latent_period) for g in grey if grid_measurable(g.shape, ctx.latent_period)]
+        if not scores:
+            raise RewardError(f"grid_free: prompt {prompt.prompt_id}: no panel of {image.width} x {image.height} px is "
+                              f"large enough for a {ctx.latent_period} px grid (paco.grpo.monitors.grid_measurable)")
+        out.append(1.0 - float(np.mean(scores)))
+    return np.asarray(out, dtype=np.float64)
 
 
 def check_reward_names(names: Iterable[str], where: str, *, source: str = "params.yaml") -> None:

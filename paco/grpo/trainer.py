@@ -297,6 +297,7 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
     policy = load_policy(cfg.family, policy_dir, cfg.lora, cfg.rollout, seed=stable_seed(cfg.seed, "lora"),
                          dtype=dtype, device=device)
     ctx.connect()  # a pending judge (make_reward_context(connect=False)): its server started while the policy loaded
+    ctx.latent_period = policy.size_multiple  # what the grid_free reward measures
     trained = policy.adapter_parameters(TRAINED_ADAPTER)
     with torch.no_grad():  # LoRA weights stay float32 (bf16 base on GPUs)
         for p in list(trained.values()) + list(policy.adapter_parameters(OLD_ADAPTER).values()):
