@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -121,6 +122,16 @@ def test_every_subtask_trains_and_samples(dvc_repo, subtask):
     assert all(changed), f"the LoRA left {changed.count(False)} of {len(changed)} samples unchanged"
     sheets = {"base.png", "lora.png"} | ({"compare.png"} if subtask != "t2is" else set())
     assert {p.name for p in (repo / f"data/final_samples/{subtask}/sheets").iterdir()} == sheets
+    # the reward-hacking monitors (paco.grpo.monitors): on every evaluation and both variants' final
+    # samples, finite; the hacking gap against the zero-shot base judge
+    kind = "input_ssim" if subtask != "t2is" else "panel_similarity"
+    monitors = {"grid_artifact", "grid_artifact_2px", "high_frequency", kind}
+    evals = pd.read_csv(repo / f"data/grpo/{subtask}/plots/eval.csv")
+    assert monitors <= set(evals.columns) and np.isfinite(evals[sorted(monitors)].to_numpy()).all()
+    assert monitors == set(s["monitors"]) and subtask_reward_gap(s, reward)
+    fm = json.loads((repo / f"data/final_samples/{subtask}/metrics.json").read_text())
+    assert {f"{k}_change" for k in monitors} | {"hacking_gap", "independent_gain"} <= set(fm)
+    assert np.isfinite(samples[[f"monitor_{k}" for k in sorted(monitors)]].to_numpy()).all()
     if subtask == "qwen_editing":  # final edits at the training resolution (params.yaml)
         assert s["resolution"] == cfg["train"]["resolution"] == 128, (s["resolution"], cfg["train"])
 
@@ -172,6 +183,15 @@ def _claim_figures(repo: Path) -> dict[str, float]:
 #: then only at the response positions, then for 2), MKL's AUTO branch (seed 0), and, before the
 #: MKL pin, 3 GRPO seeds x numpy's and OpenBLAS's AVX2 and AVX-512 paths. A claim whose spread
 #: swamps its effect is reported there and not asserted.
+def subtask_reward_gap(summary: dict, reward: str) -> bool:
+    """The final samples' hacking gap of ``reward`` is the run's judge's gain minus the independent
+    judge's, both as reported beside it."""
+    g = summary["hacking_gap"][reward]
+    return (g["optimised_gain"] == summary["rewards"][reward]["lora_minus_base"]
+            and g["independent_gain"] == summary["independent"][reward]["lora_minus_base"]
+            and abs(g["gap"] - (g["optimised_gain"] - g["independent_gain"])) < 1e-12)
+
+
 LEARNING_CLAIMS: list[tuple[str, str, float]] = [
     # the judge against its zero-shot self and chance (7 judges, the 2-epoch default's +0.145 and,
     # with the fused AdamW, +0.148: +0.110 to +0.160, paired p at most 9e-8; against chance,
