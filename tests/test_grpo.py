@@ -579,3 +579,36 @@ def test_the_policy_gradient_can_use_a_subset_of_the_sde_steps(tiny_model_dirs, 
     assert any(not torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="trained_sde_steps"):
         _cfg(rollout=dict(sde_indices=[1, 2]), train=dict(trained_sde_steps=[3]))
+
+
+@pytest.mark.parametrize("family", ["flux", "flux_kontext", "qwen_image_edit"])
+def test_the_kl_penalty_acts_in_every_policy_family(tiny_model_dirs, tmp_path, family):
+    """``train.beta`` > 0 (a guard against reward hacking) runs the reference policy (adapters off)
+    for every family: the KL is logged positive and the penalty changes the LoRA; the first
+    update's ratio is still exactly 1."""
+    from safetensors.torch import load_file
+
+    if family == "flux":
+        make, items, policy = _cfg, _prompts(), tiny_model_dirs["policy_t2is"]
+    else:
+        role = "policy_kontext" if family == "flux_kontext" else "policy_qwen_edit"
+        items, policy = _edits(), tiny_model_dirs[role]
+
+        qwen = {"policy": role, "family": family, "lora": {"rank": 4, "alpha": 8, "target_modules": [
+            "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.net.0.proj", "txt_mlp.net.0.proj"]}}
+
+        def make(**over):
+            cfg = _kontext_cfg(**(qwen if family == "qwen_image_edit" else {}))
+            merged = cfg.model_dump()
+            for k, v in over.items():
+                merged[k] = {**merged[k], **v} if isinstance(v, dict) else v
+            return GrpoSubtaskParams.model_validate(merged)
+    runs = {}
+    for beta in (0.0, 50.0):
+        cfg = make(epochs=2, train=dict(beta=beta, log_kl=True, ema=dict(enabled=False)))  # the trained weights
+        runs[beta] = _train(cfg, items, policy, R.RewardContext(), lora_dir=tmp_path / f"b{beta}",
+                            checkpoints_dir=tmp_path / f"ck{beta}")
+    assert runs[50.0]["train_final"]["kl"] > 0 and runs[0.0]["train_final"]["kl"] > 0
+    assert runs[50.0]["first_update_ratio_max_abs_deviation"] == 0.0
+    a, b = (load_file(str(tmp_path / f"b{beta}" / "pytorch_lora_weights.safetensors")) for beta in (0.0, 50.0))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
