@@ -159,6 +159,15 @@ def test_the_judge_evaluation_is_complete(dvc_repo):
         assert 0 <= judge["accuracy"] <= 1 and -1 <= judge["kendall_tau"] <= 1
 
 
+def subtask_reward_gap(summary: dict, reward: str) -> bool:
+    """The final samples' hacking gap of ``reward`` is the run's judge's gain minus the independent
+    judge's, both as reported beside it."""
+    g = summary["hacking_gap"][reward]
+    return (g["optimised_gain"] == summary["rewards"][reward]["lora_minus_base"]
+            and g["independent_gain"] == summary["independent"][reward]["lora_minus_base"]
+            and abs(g["gap"] - (g["optimised_gain"] - g["independent_gain"])) < 1e-12)
+
+
 def _claim_figures(repo: Path) -> dict[str, float]:
     """The embedded default's learning claims as figures (improvements and p-values)."""
     ev = report(repo, "reward_eval")
@@ -183,15 +192,6 @@ def _claim_figures(repo: Path) -> dict[str, float]:
 #: then only at the response positions, then for 2), MKL's AUTO branch (seed 0), and, before the
 #: MKL pin, 3 GRPO seeds x numpy's and OpenBLAS's AVX2 and AVX-512 paths. A claim whose spread
 #: swamps its effect is reported there and not asserted.
-def subtask_reward_gap(summary: dict, reward: str) -> bool:
-    """The final samples' hacking gap of ``reward`` is the run's judge's gain minus the independent
-    judge's, both as reported beside it."""
-    g = summary["hacking_gap"][reward]
-    return (g["optimised_gain"] == summary["rewards"][reward]["lora_minus_base"]
-            and g["independent_gain"] == summary["independent"][reward]["lora_minus_base"]
-            and abs(g["gap"] - (g["optimised_gain"] - g["independent_gain"])) < 1e-12)
-
-
 LEARNING_CLAIMS: list[tuple[str, str, float]] = [
     # the judge against its zero-shot self and chance (7 judges, the 2-epoch default's +0.145 and,
     # with the fused AdamW, +0.148: +0.110 to +0.160, paired p at most 9e-8; against chance,
