@@ -123,11 +123,11 @@ def test_grpo_then_sample_through_the_local_judge_server(tiny_model_dirs, tmp_pa
     monitors = {k for k in metrics if k.endswith("_change")}
     assert set(metrics) - monitors == {"train_gain", "train_gain_p", "eval_reward", "lora_epoch", "eval_gain",
                                        "eval_train_gain"}
-    # the 32 px panels are too small for the 16 px grid score; the others are measured
-    assert monitors == {"grid_artifact_2px_change", "high_frequency_change", "panel_similarity_change"}
+    assert monitors == {"grid_artifact_change", "grid_artifact_2px_change", "high_frequency_change",
+                        "panel_similarity_change"}
     assert all(np.isfinite(metrics[k]) for k in monitors) and metrics["lora_epoch"] == 2
     evals = pd.read_csv(g / "plots" / "eval.csv")
-    assert {"grid_artifact_2px", "high_frequency", "panel_similarity"} <= set(evals.columns)
+    assert {"grid_artifact", "grid_artifact_2px", "high_frequency", "panel_similarity"} <= set(evals.columns)
     # eval.train_prompts: the training prompts evaluated beside the held-out ones
     assert {"train_reward", "train_prompts"} <= set(evals.columns) and (evals["train_prompts"] > 0).all()
     assert metrics["eval_train_gain"] == pytest.approx(evals["train_reward"].iloc[-1] - evals["train_reward"].iloc[0])

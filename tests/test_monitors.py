@@ -137,8 +137,8 @@ def test_sample_monitors_per_subtask_kind():
     same = sample_monitors([_grid([photo] * 4)], [t2is], ctx, period=16)
     assert set(same) == {"grid_artifact", "grid_artifact_2px", "high_frequency", "panel_similarity"}
     assert same["panel_similarity"][0] == pytest.approx(1.0)
-    panel_scores = grid_artifact_score(np.asarray(_pil(photo).convert("L"), dtype=np.float64) / 255, 16)
-    assert same["grid_artifact"][0] == pytest.approx(panel_scores)  # the mean over identical panels
+    whole = grid_artifact_score(np.asarray(_grid([photo] * 4).convert("L"), dtype=np.float64) / 255, 16)
+    assert same["grid_artifact"][0] == pytest.approx(whole)  # the whole composite: the latent grid is the image's
     edit = SubtaskItem("e0", "make it red", "", 1, 1, ("make it red",), reference=_pil(photo))
     edits = sample_monitors([_pil(photo), _pil(np.clip(photo + CHECKER_16[:64, :64], 0, 1))], [edit, edit], ctx, period=16)
     assert set(edits) == {"grid_artifact", "grid_artifact_2px", "high_frequency", "input_ssim"}
@@ -167,11 +167,11 @@ def test_a_warning_fires_on_a_checkerboard_and_not_on_the_base():
     assert not back & {"grid_artifact", "input_ssim"}
 
 
-def test_panels_too_small_for_the_grid_are_not_measured():
+def test_samples_too_small_for_the_grid_are_not_measured():
     ctx = RewardContext(split_method="equal")
     photo = _photo(64)
-    small = SubtaskItem("p0", "a set", "", 2, 2, ("a", "b", "c", "d"))  # 2x2 of 32 px panels
-    out = sample_monitors([_grid([photo[:32, :32]] * 4)], [small], ctx, period=16)
+    small = SubtaskItem("p0", "a set", "", 2, 2, ("a", "b", "c", "d"))  # a 32 px composite of 16 px panels
+    out = sample_monitors([_grid([photo[:16, :16]] * 4)], [small], ctx, period=16)
     assert np.isnan(out["grid_artifact"][0])  # 32 px: under two periods inside the margins
     assert np.isfinite(out["grid_artifact_2px"][0]) and np.isfinite(out["high_frequency"][0])
     assert monitor_warnings({"grid_artifact": float("nan")}, {"grid_artifact": 0.0}, where="x") == []

@@ -353,5 +353,5 @@ def test_the_grid_free_guard_is_one_minus_the_grid_score_at_the_latent_period():
     np.testing.assert_allclose(got, [1 - grid_artifact_score(greyscale(im), 16) for im in images], rtol=1e-12)
     assert got[1] < got[0] - 0.1  # the checkerboard costs reward
     small = [Image.new("RGB", (24, 24))]
-    with pytest.raises(RewardError, match="large enough"):
+    with pytest.raises(RewardError, match="too small"):
         compute_rewards(["grid_free"], small, items[:1], ctx)

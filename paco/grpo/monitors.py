@@ -3,7 +3,7 @@ evaluation, on the final samples and in the benchmark tables, so that a reward b
 artifacts shows beside the reward itself.
 
 ==================  =============================================================================
-monitor             what it measures (per sample; the mean over its panels where it has several)
+monitor             what it measures (per sample)
 ==================  =============================================================================
 grid_artifact       the share of the fine detail explained by the pixel's position within the
                     policy's latent patch grid (VAE stride x transformer patch size: 16 px for
@@ -226,12 +226,12 @@ def sample_monitors(images: Sequence[Image.Image], items: Sequence[Any], ctx: An
                     ) -> dict[str, np.ndarray]:
     """Every monitor that applies to a subtask's samples: monitor name -> ``(n,)`` float64.
 
-    The grid and high-frequency monitors are the mean over each sample's panels (``ctx.panels``:
-    the grid cut as the rewards cut it; an edit is one panel) that are large enough
-    (:func:`grid_measurable`; NaN for a sample without one: too small to measure, e.g. the 32 px
-    panels of a tiny test); ``panel_similarity`` is computed for samples of two panels or more
-    (text to image sets), ``input_ssim`` for items with a ``reference`` image (edits); a subtask
-    whose samples all lack one omits it.
+    The grid and high-frequency monitors measure the whole sample: the latent patch grid is the
+    image's, aligned at its top-left pixel, whatever the panels (a grid score is NaN for a sample
+    too small for the period, :func:`grid_measurable`); ``panel_similarity`` is computed for
+    samples of two panels or more (``ctx.panels``: the grid cut as the rewards cut it; text to
+    image sets), ``input_ssim`` for items with a ``reference`` image (edits); a subtask whose
+    samples all lack one omits it.
 
     Args:
         images: the decoded samples.
@@ -247,14 +247,12 @@ def sample_monitors(images: Sequence[Image.Image], items: Sequence[Any], ctx: An
         raise ValueError(f"{len(images)} images but {len(items)} items")
     out: dict[str, list[float]] = {k: [] for k in MONITORS}
     for image, item in zip(images, items, strict=True):
-        panels = ctx.panels(image, item)
-        grey = [greyscale(p) for p in panels]
+        grey = greyscale(image)
         for name, p in (("grid_artifact", period), ("grid_artifact_2px", 2)):
-            scores = [grid_artifact_score(g, p) for g in grey if grid_measurable(g.shape, p)]
-            out[name].append(float(np.mean(scores)) if scores else math.nan)
-        out["high_frequency"].append(float(np.mean([high_frequency_share(g) for g in grey])))
-        if len(panels) >= 2:
-            out["panel_similarity"].append(panel_similarity(panels))
+            out[name].append(grid_artifact_score(grey, p) if grid_measurable(grey.shape, p) else math.nan)
+        out["high_frequency"].append(high_frequency_share(grey))
+        if item.rows * item.cols >= 2:
+            out["panel_similarity"].append(panel_similarity(ctx.panels(image, item)))
         if getattr(item, "reference", None) is not None:
             out["input_ssim"].append(input_ssim(image, item.reference))
     result = {}

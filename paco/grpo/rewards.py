@@ -28,8 +28,8 @@ for_editing    image (first) and the edited one (second) under the semantic-cons
 input_         a guard against reward hacking for editing (not in the paper): the edit's SSIM
 fidelity       to its input (:func:`paco.grpo.monitors.input_ssim`). In [-1, 1].
 grid_free      a guard against grid textures (not in the paper): ``1 -`` the grid artifact score
-               at the policy's latent patch period (:func:`paco.grpo.monitors.grid_artifact_score`),
-               the mean over the panels. At most 1 (about 1 without a grid texture).
+               of the whole sample at the policy's latent patch period
+               (:func:`paco.grpo.monitors.grid_artifact_score`). At most 1 (about 1 without one).
 =============  ===================================================================================
 
 A reward function never hides a failure: an unreachable judge raises
@@ -398,21 +398,20 @@ def input_fidelity(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem]
 @register("grid_free")
 def grid_free(images: Sequence[Image.Image], prompts: Sequence[SubtaskItem], ctx: RewardContext) -> np.ndarray:
     """A guard against grid textures (not in the paper): ``1 - grid_artifact``, the monitor
-    :func:`paco.grpo.monitors.grid_artifact_score` at ``ctx.latent_period``, averaged over each
-    sample's panels (the grid cut as the other rewards cut it), so a texture at the latent patch
-    grid costs reward; it enters the advantages under the subtask's aggregation as any reward does.
+    :func:`paco.grpo.monitors.grid_artifact_score` of the whole sample (the latent patch grid is
+    the image's) at ``ctx.latent_period``, so a texture at the latent patch grid costs reward; it
+    enters the advantages under the subtask's aggregation as any reward does.
 
     Returns ``(n,)`` float64, at least 0 (about 1 without a grid texture). Raises
-    :class:`RewardError` when a sample has no panel large enough for the period
+    :class:`RewardError` when a sample is too small for the period
     (:func:`paco.grpo.monitors.grid_measurable`)."""
     out = []
     for image, prompt in zip(images, prompts, strict=True):
-        grey = [greyscale(p) for p in ctx.panels(image, prompt)]
-        scores = [grid_artifact_score(g, ctx.latent_period) for g in grey if grid_measurable(g.shape, ctx.latent_period)]
-        if not scores:
-            raise RewardError(f"grid_free: prompt {prompt.prompt_id}: no panel of {image.width} x {image.height} px is "
-                              f"large enough for a {ctx.latent_period} px grid (paco.grpo.monitors.grid_measurable)")
-        out.append(1.0 - float(np.mean(scores)))
+        grey = greyscale(image)
+        if not grid_measurable(grey.shape, ctx.latent_period):
+            raise RewardError(f"grid_free: prompt {prompt.prompt_id}: a sample of {image.width} x {image.height} px "
+                              f"is too small for a {ctx.latent_period} px grid (paco.grpo.monitors.grid_measurable)")
+        out.append(1.0 - grid_artifact_score(grey, ctx.latent_period))
     return np.asarray(out, dtype=np.float64)
 
 
