@@ -240,8 +240,8 @@ def sample_monitors(images: Sequence[Image.Image], items: Sequence[Any], ctx: An
         period: the policy's latent patch period in px (:attr:`paco.grpo.policies.Policy.size_multiple`).
 
     Raises:
-        ValueError: different lengths; a panel too small for ``period``; some samples with a
-            reference image and some without, or with two panels and with one.
+        ValueError: different lengths; a panel or an image side under 7 px (SSIM's window); some
+            samples with a reference image and some without, or with two panels and with one.
     """
     if len(images) != len(items):
         raise ValueError(f"{len(images)} images but {len(items)} items")
