@@ -179,8 +179,10 @@ def _claim_figures(repo: Path) -> dict[str, float]:
     for subtask, reward in SUBTASK_REWARD.items():
         sig = report(repo, f"grpo/{subtask}")["learning_signal"]
         gain = report(repo, f"final_samples/{subtask}")["rewards"][reward]
+        monitors = report(repo, f"final_samples/{subtask}")["monitors"]
         f |= {f"{subtask}_training_gain": sig["improvement"], f"{subtask}_training_p": sig["p_value"],
-              f"{subtask}_final_gain": gain["lora_minus_base"], f"{subtask}_final_p": gain["paired_t_p_value"]}
+              f"{subtask}_final_gain": gain["lora_minus_base"], f"{subtask}_final_p": gain["paired_t_p_value"],
+              **{f"{subtask}_{k}_change": m["lora_minus_base"] for k, m in monitors.items()}}
     return f
 
 
@@ -200,26 +202,39 @@ LEARNING_CLAIMS: list[tuple[str, str, float]] = [
     ("judge_vs_base_p", "lt", 1e-5),
     ("judge_vs_chance_p", "lt", 1e-10),
     ("judge_tau_vs_chance_p", "lt", 1e-10),
-    # Kontext's training gain (the pretrained tiny FLUX.1 Kontext, lr 3e-3): with the default's one
-    # SDE step on 14 items per epoch +0.049 to +0.150 over GRPO seeds 0-2 with four judges (the
-    # fused AdamW's: +0.051 to +0.127, p at most 1e-9), p at most 6e-5; with SDE steps 1-3 on all 28 items +0.044 to +0.200 over 13 draws, p at most 9e-8
+    # Kontext's training gain (the pretrained tiny FLUX.1 Kontext, lr 3e-3, one SDE step on 14 items
+    # per epoch), in the weighted reward with the guards grid_free and input_fidelity: +0.018 to
+    # +0.039 over GRPO seeds 0-2 (p 6e-5 to 1e-3); without them +0.049 to +0.150 over four judges
     ("kontext_editing_training_gain", "gt", 0.01),
-    ("kontext_editing_training_p", "lt", 1e-3),
+    ("kontext_editing_training_p", "lt", 0.01),
+    # with the guards its held-out edits gain by the judge in every seed (+0.009 to +0.019, p at
+    # most 1e-5) and stay clear of the grid texture and the input (grid artifact +0.000 to +0.004,
+    # input SSIM -0.011 to +0.012; without the guards +0.096 to +0.125 and -0.072 to -0.141)
+    ("kontext_editing_final_gain", "gt", 0.003),
+    ("kontext_editing_final_p", "lt", 1e-3),
+    ("kontext_editing_grid_artifact_change", "lt", 0.01),
+    ("kontext_editing_input_ssim_change", "gt", -0.02),
     # Qwen-Image-Edit's training gain: the pretrained policy (the default, lr 1e-3, no true CFG, 7
     # items per epoch) +0.036 to +0.065 over GRPO seeds 0-2 with the 2-epoch judge (p at most
     # 0.023), +0.023 to +0.052 with the fused AdamW (p up to 0.062); on 14 items per epoch +0.006 to +0.035 with it, +0.023 to +0.050 with the 3-epoch
     # one; the random-init policy +0.008 to
     # +0.090 in every one of 22 draws (16 with true CFG); its p-value is reported, below
     ("qwen_editing_training_gain", "gt", 0.005),
+    # with the KL guard (beta 0.04; training gain +0.015 to +0.040 over GRPO seeds 0-2) its held-out
+    # edits' grid artifact rises by +0.001 to +0.006 (without it +0.008 to +0.021) and their input
+    # SSIM moves by -0.002 to +0.005
+    ("qwen_editing_grid_artifact_change", "lt", 0.01),
+    ("qwen_editing_input_ssim_change", "gt", -0.02),
 ]
 #: Reported, not asserted (the spread swamps the effect in at least one draw): the t2is
 #: training gain on the pretrained tiny FLUX.1 (+0.008 to +0.018, p up to 0.09) and final
-#: consistency gain (-0.023 to +0.008), Kontext's final edits (-0.043 to +0.018; -0.031 to
-#: +0.018 with the one SDE step and the 3-epoch judge, p 1e-5 to 0.8: the judge is hacked in most
-#: draws; +0.038 to +0.052, p at most 3e-18, with the 2-epoch judge, its edits' SSIM to the input
-#: falling 0.39 -> 0.26-0.31), Qwen-Image-Edit's training p-value (the pretrained policy: 2e-9 to
+#: consistency gain (-0.023 to +0.008) and its grid artifact (+0.009 to +0.012, the grid_free
+#: guard +0.006 to +0.009), the hacking gap against the zero-shot base judge (guarded Kontext
+#: +0.010 to +0.020, the base judge's own gain -0.001; Qwen-Image-Edit -0.002 to +0.009, p at least
+#: 0.07), Qwen-Image-Edit's training p-value (the pretrained policy: 2e-9 to
 #: 0.023 in 9 draws; the random-init one up to 0.89) and its final edits (the pretrained policy:
-#: +0.007 to +0.051, p 1e-6 to 0.066 in 9 draws with two judges on one numeric path; the
+#: +0.007 to +0.051, p 1e-6 to 0.066 in 9 draws with two judges on one numeric path, -0.003 to
+#: +0.013 with the KL guard; the
 #: random-init one -0.000 to +0.046, p up to 0.9), the judge against CLIP-I (CLIP-I ranks
 #: better) and the editing benchmark (the judge is at its zero-shot self's level).
 
