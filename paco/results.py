@@ -181,7 +181,7 @@ def grpo_section(data: Path) -> list[str]:
 
 
 #: the independent scorers of ``final_samples.<k>.independent_scorer``, as the page names them
-INDEPENDENT = {"base_judge": "the base judge, zero-shot"}
+INDEPENDENT = {"base_judge": "the zero-shot base judge"}
 
 
 def _monitor_verdict(name: str, change: float, p: float | None) -> str:
@@ -239,8 +239,10 @@ def hacking_section(data: Path) -> list[str]:
                          f"{fmt_gain(g['independent_gain'])} | {fmt_gain(g['gap'])} | "
                          f"{fmt_p(g.get('paired_t_p_value'))} |")
             if g["gap"] > 0 and (g.get("paired_t_p_value") or 1.0) < 0.05:
-                verdicts.setdefault(sub, []).append(f"a hacking gap of {fmt_gain(g['gap'])} in {name} (p "
-                                                    f"{fmt_p(g.get('paired_t_p_value'))})")
+                verdicts.setdefault(sub, []).append(
+                    f"a hacking gap of {fmt_gain(g['gap'])} in {name} (p {fmt_p(g.get('paired_t_p_value'))}: the run's "
+                    f"judge sees {fmt_gain(g['optimised_gain'])}, {INDEPENDENT.get(scorer, scorer)} "
+                    f"{fmt_gain(g['independent_gain'])})")
     lines += ["", "GRPO's evaluations (ODE, the evaluated weights): the weighted reward on the held-out prompts "
               "(`reward`) and on the first `eval.train_prompts` training prompts (`train_reward`: a gain there but not "
               "on the held-out prompts is a reward the policy learnt by heart), and the held-out samples' monitors, "

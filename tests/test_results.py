@@ -105,10 +105,10 @@ def test_the_page_holds_the_runs_figures(data, tmp_path):
     assert ("| t2is | grid_artifact | 0.0157 | 0.0282 | +0.0125 | 84% | 3e-05 | +0.01 | **past its bound** |"
             in page)
     assert "| t2is | panel_similarity | 0.5365 | 0.5185 | -0.0180 | 6% | 9e-08 | +0.05 | within its bound |" in page
-    assert ("| t2is | consistency | the base judge, zero-shot | +0.128 | +0.020 | +0.108 | 3e-06 |" in page)
+    assert ("| t2is | consistency | the zero-shot base judge | +0.128 | +0.020 | +0.108 | 3e-06 |" in page)
     assert "| t2is | grid_artifact | 0.0157 | 0.0412 | +0.0255 | 16 |" in page
     assert ("- t2is: the LoRA shows signs of reward hacking: grid_artifact +0.013 (p 3e-05); a hacking gap of "
-            "+0.108 in consistency (p 3e-06)." in page)
+            "+0.108 in consistency (p 3e-06: the run's judge sees +0.128, the zero-shot base judge +0.020)." in page)
     assert "![GRPO training reward per epoch](fig/grpo_reward_curves.png)" in page
     assert (tmp_path / "docs" / "fig" / "grpo_reward_curves.png").stat().st_size > 1000
     assert "![t2is: final samples, base and LoRA](fig/samples_t2is.jpg)" in page

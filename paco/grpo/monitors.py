@@ -43,9 +43,10 @@ MONITORS = ("grid_artifact", "grid_artifact_2px", "high_frequency", "panel_simil
 
 #: how far a monitor's mean may move from its reference before :func:`monitor_warnings` names it:
 #: ``(direction, bound)``; ``+1``: a rise beyond ``bound`` warns, ``-1``: a fall. Measured on the
-#: embedded default's final samples (base against the hacked LoRAs, paired by item and seed): the
-#: base's grid artifact score is about 0.002-0.018 with a spread over samples of about 0.01, the
-#: Kontext LoRA's checkerboard lifts it by about 0.13, the Qwen-Image-Edit LoRA's by 0.02; the
+#: embedded default's final samples (base against the LoRAs trained without guards, paired by item
+#: and seed): the base's grid artifact score is about 0.002-0.018 with a spread over samples of
+#: about 0.01, the Kontext LoRA's grid texture lifts it by 0.10-0.13, the Qwen-Image-Edit LoRA's
+#: by 0.01-0.02; the
 #: high-frequency share is 0.005-0.02 and moves by about 0.001; an edit's SSIM to its input is
 #: about 0.4 and the Kontext LoRA's falls by about 0.09. So: the grid scores and the
 #: high-frequency share warn on a rise of 0.01 and 0.005, panel similarity (text to image sets)
@@ -215,6 +216,10 @@ def panel_similarity(panels: Sequence[Image.Image]) -> float:
 def input_ssim(edit: Image.Image, source: Image.Image) -> float:
     """SSIM (:func:`ssim`) of an edit to its input image, in greyscale, the input resized
     (bicubic) to the edit's size (as the editing policies condition on it). In [-1, 1].
+
+    Greyscale, where :func:`paco.pretrain.quality.edit_ssim` (the pretraining records, and the
+    earlier figures of docs/embedded_default.md) takes the RGB SSIM: the embedded default's base
+    Kontext edits score 0.42 here and 0.39 there.
 
     Raises:
         ValueError: a side < 7 px."""
