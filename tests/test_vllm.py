@@ -77,7 +77,9 @@ def test_grpo_serves_its_judge_with_vllm_end_to_end(vllm_repo):
     repo, out = vllm_repo
     assert "Running stage 'grpo@kontext_editing'" in out
     metrics = json.loads((repo / "data/grpo/kontext_editing/metrics.json").read_text())
-    assert np.isfinite(metrics["train_gain"]) and 0.0 <= metrics["eval_reward"] <= 1.0
+    assert np.isfinite(metrics["train_gain"]) and np.isfinite(metrics["eval_reward"])
+    final = json.loads((repo / "data/grpo/kontext_editing/report.json").read_text())["eval_final"]
+    assert 0.0 <= final["consistency_for_editing_mean"] <= 1.0  # the served judge's reward (beside the guards)
     log = (repo / "data/grpo/kontext_editing/checkpoints/judge_server.log").read_text()
     assert "Starting vLLM" in log and "use_fast" in log  # vLLM's server, with the pinned preprocessing
     # the argv the run's params build is the paper preset's but for the device flags
