@@ -81,7 +81,7 @@ def evaluate(policy: Policy, prompts: Sequence[SubtaskItem], sizes: Sequence[tup
     for k, v in table.items():
         out[f"{k}_mean"] = float(v.mean())
         out[f"{k}_std"] = float(v.std())
-    for m in MONITORS:  # the mean over the samples it measures (NaN: a panel too small for it)
+    for m in MONITORS:  # the mean over the samples it measures (NaN: a sample too small for it)
         values = np.array([r[1][m] for r in allrows if m in r[1]])
         if np.isfinite(values).any():
             out[m] = float(np.nanmean(values))
