@@ -3,7 +3,7 @@
 The embedded default's judge base (:func:`paco.models.tiny.build_tiny` ``"qwen2_5_vl"``:
 ``Qwen2_5_VLForConditionalGeneration``, vision tower 2 blocks x 64, images of at most 112 x 112
 px -> 16 merged visual tokens of width 128) is random-init, so its visual tokens say little
-about what a panel shows and the reward model cannot learn to read content (issue 30). Here only
+about what a panel shows and the reward model cannot learn to read content. Here only
 its vision tower (``model.model.visual``, or ``model.visual`` in older ``transformers``: patch
 embedding, blocks and patch merger) is trained, with SimCLR's NT-Xent (Chen et al. 2020, "A
 Simple Framework for Contrastive Learning of Visual Representations", eq. 1): each step draws two

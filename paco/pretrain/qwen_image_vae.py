@@ -1,4 +1,4 @@
-"""The VAE half of :mod:`paco.pretrain.qwen_image` (issue 30): reconstruction training of the tiny
+"""The VAE half of :mod:`paco.pretrain.qwen_image`: reconstruction training of the tiny
 ``AutoencoderKLQwenImage`` on square random views of the photographs, its held-out quality, and the
 per-channel ``latents_mean`` / ``latents_std`` that Qwen-Image's VAE config holds.
 
