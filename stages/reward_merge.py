@@ -65,7 +65,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         return shard_batches(judge.score, procs, judge.batch_size)(triples)
 
     # on this process's device (its GPU when one is visible): the merge and the three check
-    # passes of a 7B judge on CPU take hours (a 0.56B real-width judge: 260 s on 16 cores, H200 smoke)
+    # passes of a 7B judge on CPU take hours
     model, processor = load_judge(args.base, dtype=dtype)
     model.to(procs.device)
     peft_model = PeftModel.from_pretrained(model, str(args.adapter))
