@@ -6,11 +6,11 @@ stage checks that the unmerged adapter, the merged model in memory and the merge
 from disk give the same P(Yes) on ``reward_merge.check_pairs`` held-out pairs, within
 ``MERGE_ATOL`` (float32) or ``MERGE_ATOL_BF16``, and fails otherwise.
 
-Multi-process (``accelerate launch`` with ``resources.stages.reward_merge.processes``): the
-check's scoring batches are sharded over the processes
-(:func:`paco.core.distributed.shard_batches`); the main process saves the merged model, which
-every process reloads for the third check. The model and metrics are byte-identical for any
-process count.
+Multi-process (:mod:`paco.core.launch` with ``resources.stages.reward_merge.processes`` > 1 runs
+``accelerate launch``): the check's scoring batches are sharded over the processes
+(:func:`paco.core.distributed.shard_batches`); the main process saves the merged model, which every
+process reloads for the third check. The model and metrics are byte-identical for any process
+count.
 """
 
 from __future__ import annotations
