@@ -1,4 +1,4 @@
-"""How recognisable the embedded default's samples are: the figures of issue 30, from a repro.
+"""How recognisable the embedded default's samples are, from a repro.
 
     python benchmarks/embedded_quality.py [--data data] [--out quality.json]
 

@@ -1,8 +1,10 @@
 """Stage ``benchmark@<subtask>``: T2IS-Bench or GEdit-Bench on final_samples' base and LoRA samples.
 
-::
+``dvc repro`` runs it through :mod:`paco.core.launch` (``benchmark.<subtask>.resources``: in place for
+one process, under ``accelerate launch`` for several), here the embedded default's ``t2is``::
 
-    python -m stages.benchmark --params params.yaml --subtask t2is \\
+    python -m paco.core.launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 \\
+        --resources benchmark.t2is.resources -m stages.benchmark --params params.yaml --subtask t2is \\
         --samples data/final_samples/t2is/samples.parquet --items data/prompts/prompts.parquet \\
         --answers data/benchmark/t2is/answers --scores data/benchmark/t2is/scores.parquet \\
         --table data/benchmark/t2is/table.md --metrics data/benchmark/t2is/metrics.json

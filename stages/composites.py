@@ -15,11 +15,11 @@ in ``skipped``. Two rows with one composite_id or one (prompt_id, seed) are refu
 refuses a prompt whose ``subject`` names no shipped photograph before rendering anything. A run
 that produces no composite fails here, not stages later.
 
-Multi-process (``accelerate launch`` with ``resources.stages.composites.processes``; the work is
-``generate``'s): render batch ``n`` belongs to process ``n % processes``; each process writes its
-composites to a part file beside the output, and the main process assembles the table in batch
-order, so it is byte-identical for any process count. ``photos`` and ``import`` run in the main
-process only.
+Multi-process (:mod:`paco.core.launch` with ``resources.stages.composites.processes`` > 1 runs
+``accelerate launch``; the work is ``generate``'s): render batch ``n`` belongs to process
+``n % processes``; each process writes its composites to a part file beside the output, and the main
+process assembles the table in batch order, so it is byte-identical for any process count.
+``photos`` and ``import`` run in the main process only.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Stage ``final_samples@<subtask>``: final ODE samples of the test prompts with and without the LoRA.
 
-::
+``dvc repro`` runs it through :mod:`paco.core.launch` (``final_samples.<subtask>.resources``: in place
+for one process, under ``accelerate launch`` for several), here the embedded default's ``t2is``::
 
-    accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.final_samples \\
+    python -m paco.core.launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 \\
+        --resources final_samples.t2is.resources --serves_judge -m stages.final_samples \\
         --params params.yaml --subtask t2is --items data/prompts/prompts.parquet \\
         --policy data/models/policy_t2is --lora data/grpo/t2is/lora --judge data/reward_merge/model --base-judge data/models/judge_base \\
         --clip data/models/clip --pickscore data/models/pickscore --out data/final_samples/t2is/samples.parquet \\
@@ -98,7 +100,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     tmp.mkdir(parents=True)
     for variant, sheet in sheets.items():
         # zlib's fastest level, as the samples' own PNGs (paco.core.io.encode_image): the same pixels,
-        # 5x faster to write than the default level 6 (Kontext's three sheets, 23 MB: 7.7 -> 1.6 s), +14 % bytes
+        # several times faster to write than the default level 6, for a few more bytes
         (tmp / f"{variant}.png").write_bytes(encode_image(sheet)["bytes"])  # the directory is renamed into place
     replace_dir(tmp, args.sheets)
     for name, r in metrics["rewards"].items():

@@ -1,8 +1,10 @@
 """Stage ``grpo@<subtask>``: PaCo-GRPO of the subtask's policy against PaCo-Reward (and CLIP).
 
-Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
+``dvc repro`` runs it through :mod:`paco.core.launch` (``grpo.<subtask>.resources``: in place for one
+process, under ``accelerate launch`` for several, CPU using gloo), here the embedded default's ``t2is``::
 
-    accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 -m stages.grpo \\
+    python -m paco.core.launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 \\
+        --resources grpo.t2is.resources --serves_judge -m stages.grpo \\
         --params params.yaml --subtask t2is --items data/prompts/prompts.parquet \\
         --policy data/models/policy_t2is --judge data/reward_merge/model --clip data/models/clip \\
         --pickscore data/models/pickscore --lora data/grpo/t2is/lora --checkpoints data/grpo/t2is/checkpoints \\

@@ -14,10 +14,11 @@ OpenAI-compatible endpoint, ``local`` a transformers VLM) justifies each pair's 
 chunk is discarded with a warning naming it, explained again and listed in the metrics
 (``discarded_chunks``).
 
-Multi-process (``accelerate launch`` with ``resources.stages.reasons.processes``): chunk ``n`` is
-explained by process ``n % processes``; the main process checks the progress directory first and
-assembles ``sft.parquet`` from the chunks after everyone is done, so the table is byte-identical
-for any process count (and a resumed run may use another count).
+Multi-process (:mod:`paco.core.launch` with ``resources.stages.reasons.processes`` > 1 runs
+``accelerate launch``): chunk ``n`` is explained by process ``n % processes``; the main process
+checks the progress directory first and assembles ``sft.parquet`` from the chunks after everyone is
+done, so the table is byte-identical for any process count (and a resumed run may use another
+count).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ Every input (the instances, panels and prompts, and the editing benchmark) is re
 before any model is loaded; ``predictions.parquet`` is written last, after every score: a bad
 input fails the stage with one line naming the file, row and field, and writes nothing.
 
-Multi-process (``accelerate launch`` with ``resources.stages.reward_eval.processes``): every
-scorer's batches are sharded over the processes and gathered in order
+Multi-process (:mod:`paco.core.launch` with ``resources.stages.reward_eval.processes`` > 1 runs
+``accelerate launch``): every scorer's batches are sharded over the processes and gathered in order
 (:func:`paco.core.distributed.shard_batches`), so the predictions and metrics are byte-identical
 for any process count; the main process writes them.
 """

@@ -6,11 +6,11 @@ stage checks that the unmerged adapter, the merged model in memory and the merge
 from disk give the same P(Yes) on ``reward_merge.check_pairs`` held-out pairs, within
 ``MERGE_ATOL`` (float32) or ``MERGE_ATOL_BF16``, and fails otherwise.
 
-Multi-process (``accelerate launch`` with ``resources.stages.reward_merge.processes``): the
-check's scoring batches are sharded over the processes
-(:func:`paco.core.distributed.shard_batches`); the main process saves the merged model, which
-every process reloads for the third check. The model and metrics are byte-identical for any
-process count.
+Multi-process (:mod:`paco.core.launch` with ``resources.stages.reward_merge.processes`` > 1 runs
+``accelerate launch``): the check's scoring batches are sharded over the processes
+(:func:`paco.core.distributed.shard_batches`); the main process saves the merged model, which every
+process reloads for the third check. The model and metrics are byte-identical for any process
+count.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         return shard_batches(judge.score, procs, judge.batch_size)(triples)
 
     # on this process's device (its GPU when one is visible): the merge and the three check
-    # passes of a 7B judge on CPU take hours (a 0.56B real-width judge: 260 s on 16 cores, H200 smoke)
+    # passes of a 7B judge on CPU take hours
     model, processor = load_judge(args.base, dtype=dtype)
     model.to(procs.device)
     peft_model = PeftModel.from_pretrained(model, str(args.adapter))

@@ -1,9 +1,11 @@
 """Stage ``reward_train``: LoRA SFT of the PaCo-Reward judge (first-token-weighted loss).
 
-Run under ``accelerate launch`` (one process or several; CPU uses gloo)::
+``dvc repro`` runs it through :mod:`paco.core.launch` (``resources.stages.reward_train``: in place for
+one process, under ``accelerate launch`` for several, CPU using gloo), as for the embedded default::
 
-    accelerate launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 \\
-        -m stages.reward_train --params params.yaml --sft data/reasons/sft.parquet \\
+    python -m paco.core.launch --config_file workflow/accelerate/cpu.yaml --num_processes 1 \\
+        --resources resources.stages.reward_train -m stages.reward_train \\
+        --params params.yaml --sft data/reasons/sft.parquet \\
         --base data/models/judge_base --adapter data/reward_train/adapter \\
         --checkpoints data/reward_train/checkpoints --plots data/reward_train/plots \\
         --metrics data/reward_train/metrics.json

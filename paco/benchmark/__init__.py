@@ -1,4 +1,4 @@
-"""The generators' benchmarks, the paper's own yardstick (issue 27): T2IS-Bench (paper Table 3:
+"""The generators' benchmarks, the paper's own yardstick: T2IS-Bench (paper Table 3:
 visual consistency, prompt alignment, aesthetics) and GEdit-Bench (paper Table 4: semantic
 consistency, perceptual quality, overall), exact to the benchmarks' official evaluation code,
 scored through any OpenAI-compatible evaluator.

@@ -1,7 +1,7 @@
 """The LAION aesthetic predictor: T2IS-Bench's Aesthetics column (paper Table 3), a documented stand-in.
 
 The released T2IS-Bench code (chengyou-jia/T2IS ``T2IS_Eval``) has no aesthetics metric and the
-paper does not say which predictor or scale it used (issue 27). This module offers the LAION
+paper does not say which predictor or scale it used. This module offers the LAION
 "improved aesthetic predictor" (christophschuhmann/improved-aesthetic-predictor, weights
 ``sac+logos+ava1-l14-linearMSE.pth``) with the same model and formula as its
 ``simple_inference.py`` (commit 3ade56d, lines 92-117: embed, normalise, MLP), not bit-exact:

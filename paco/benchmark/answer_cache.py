@@ -1,5 +1,5 @@
-"""The evaluator's answer cache (issue 27: "answers are cached by (evaluator, question, image
-bytes) and the stage resumes like ``labels``: a rerun does not ask again").
+"""The evaluator's answer cache: answers are cached by (evaluator, question, image bytes), and the
+stage resumes like ``labels``: a rerun does not ask again.
 
 One JSON line per answer in ``<directory>/answers-<part>.jsonl``; every ``*.jsonl`` file of the
 directory is read on start, so processes of a sharded stage each append to their own part and all

@@ -25,7 +25,7 @@ from paco.core.statistics import paired_test
 VARIANTS = ("base", "lora")
 #: the samples.parquet columns the stage reads
 SAMPLE_COLUMNS = ["sample_id", "prompt_id", "seed", "variant", "image"]
-#: scores.parquet: one row per question asked (issue 27), in this order, and its Arrow types: ``panels``
+#: scores.parquet: one row per question asked, in this order, and its Arrow types: ``panels``
 #: the panel pair (vc) or panel (pa, aesthetics) indices, 0-based row-major, null for GEdit; ``score``
 #: P(Yes) in [0, 1] (vc, pa; pa by t2v_metrics: its VQAScore), the LAION predictor's raw AVA-scale
 #: score (protocol ``aesthetics``, no question), or the official min of the parsed score list (sc,

@@ -1,4 +1,4 @@
-"""The benchmarks' evaluator client (issue 27, "Evaluator backends"): any OpenAI-compatible chat
+"""The benchmarks' evaluator client: any OpenAI-compatible chat
 endpoint (vLLM serving Qwen2.5-VL-7B-Instruct, Gemma-3-4B-IT, Qwen2.5-VL-72B-AWQ; GPT-4.1; the
 project's own judge server) asked through the official ``openai`` client on the judge client's
 HTTP machinery (:class:`paco.serving.client.ServedClient`: one total deadline per attempt, counted

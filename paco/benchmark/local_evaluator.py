@@ -1,7 +1,6 @@
-"""The benchmarks' in-process evaluator (issue 27, "Evaluator backends": "a local transformers
-evaluator for GPU nodes"): the three request kinds of :class:`paco.benchmark.evaluator.Evaluator`
-(``yes_no``, ``reply``, ``score_tokens``) answered by a ``transformers`` vision-language model
-loaded in this process (``AutoModelForImageTextToText`` + its processor's chat template; any
+"""The benchmarks' in-process evaluator: the three request kinds of
+:class:`paco.benchmark.evaluator.Evaluator` (``yes_no``, ``reply``, ``score_tokens``) answered by a
+``transformers`` vision-language model loaded in this process (``AutoModelForImageTextToText`` + its processor's chat template; any
 number of images), for GPU nodes without vLLM and for CPU tests. Only the transport differs from
 the OpenAI client: requests, the answer cache, the stored answer records (``{"content",
 "top_logprobs"}`` / ``{"content", "finish_reason"}``) and the scores computed from them

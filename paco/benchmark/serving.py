@@ -1,4 +1,4 @@
-"""The benchmark stage's evaluators (issue 27, "Evaluator backends"): each an
+"""The benchmark stage's evaluators: each an
 :class:`~paco.benchmark.evaluator.Evaluator` on a given URL, or on a server of its model that the
 stage starts itself, exactly as grpo serves its judge (:class:`paco.serving.local.LocalServer`
 with ``judge_endpoint.server``'s engine, dtype, restarts and vLLM flags: one that dies is

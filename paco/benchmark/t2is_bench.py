@@ -503,8 +503,8 @@ def t2is_avg(aesthetics: float | None, *, entity: float | None, attribute: float
     Style, Logic)``.
 
     Inferred from paper Table 3 (PaCo-RL, arXiv 2512.04784): neither the paper's text nor the
-    released T2IS code defines it; issue 27 reports these weights reproduce all ten rows of
-    the table's Qwen2.5-VL column to three decimals. ``aesthetics`` is on the table's 0-1
+    released T2IS code defines it; these weights reproduce all ten rows of the table's
+    Qwen2.5-VL column to three decimals. ``aesthetics`` is on the table's 0-1
     scale (how the paper scaled its aesthetic score is not published).
 
     Returns:

@@ -1,4 +1,4 @@
-"""T2IS-Bench panels and the benchmark's official file layout (issue 27, paper Table 3).
+"""T2IS-Bench panels and the benchmark's official file layout (paper Table 3).
 
 * :func:`cut_panels`: a grid image -> its panels, row-major, equal cells (the reference's
   ``divide_image``, :func:`paco.data.subfigures.split_grid` ``method="equal"``).

@@ -2,8 +2,8 @@
 arXiv 2512.04784: Table 3, T2IS-Bench; Table 4, GEdit-Bench) with the paper's own rows for
 reference beside this run's, and what in this run stands in for the paper's protocol.
 
-The paper's rows are the figures issue 27 quotes from Tables 3 and 4 (``PAPER_T2IS``,
-``PAPER_GEDIT``); a figure not quoted there is left blank, never filled in.
+The paper's rows are figures copied from Tables 3 and 4 (``PAPER_T2IS``, ``PAPER_GEDIT``); a
+figure not copied there is left blank, never filled in.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-#: Table 3, FLUX.1-dev + PaCo-Reward-7B, per VC evaluator (issue 27): Identity, Style, Logic, Avg
+#: Table 3, FLUX.1-dev + PaCo-Reward-7B, per VC evaluator: Identity, Style, Logic, Avg
 PAPER_T2IS = (
     ("FLUX.1-dev + PaCo-Reward-7B (paper)", "Qwen2.5-VL-7B-Instruct",
      {"identity": 0.508, "style": 0.549, "logic": 0.422, "avg": 0.576}),
     ("FLUX.1-dev + PaCo-Reward-7B (paper)", "Gemma-3-4B-IT",
      {"identity": 0.837, "style": 0.867, "logic": 0.859, "avg": 0.757}),
 )
-#: Table 4, the EN-I cell (SC, PQ, Overall) of the two editing models trained with PaCo (issue 27)
+#: Table 4, the EN-I cell (SC, PQ, Overall) of the two editing models trained with PaCo
 PAPER_GEDIT = (
     ("FLUX.1-Kontext + PaCo (paper)", "", {"en_i": {"sc": 7.279, "pq": 7.036, "overall": 6.636}}),
     ("Qwen-Image-Edit + PaCo (paper)", "", {"en_i": {"sc": 7.799, "pq": 8.053, "overall": 7.451}}),

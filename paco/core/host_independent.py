@@ -2,14 +2,13 @@
 CPU kernel rounds differently on different hosts under the pinned code paths
 (:mod:`paco.core.numerics`).
 
-Found with ``benchmarks/numerics_fingerprint.py`` under QEMU's emulated AMD EPYC-Rome on an
-Intel Xeon (docs/numerics.md): ``torch.sqrt`` of a float32 CPU tensor goes through MKL's vector
-math (VML) and is not correctly rounded on MKL's ``COMPATIBLE`` branch (10,774 of 65,536 random
-inputs one unit in the last place off, torch 2.13), and the emulated AMD CPU rounded other
-elements (9,952 off, other bytes): consistent with an approximate reciprocal square root refined
-by Newton's method, whose first estimate is each CPU's own (not checked in MKL's code). ``exp``,
-``log``, ``tanh``, ``erf``, ``sin``, ``cos``, ``pow``, ``rsqrt``, the GEMMs and the convolutions
-gave the same bytes on both. ``torch.optim.AdamW``'s default (for-each) step takes that ``sqrt``
+``torch.sqrt`` of a float32 CPU tensor goes through MKL's vector math (VML), which is not
+correctly rounded on MKL's ``COMPATIBLE`` branch and rounds other elements on an Intel and an AMD
+CPU: consistent with an approximate reciprocal square root refined by Newton's method, whose
+first estimate is each CPU's own (not checked in MKL's code). ``exp``, ``log``, ``tanh``,
+``erf``, ``sin``, ``cos``, ``pow``, ``rsqrt``, the GEMMs and the convolutions gave the same bytes
+on both (``benchmarks/numerics_fingerprint.py`` finds such kernels; its figures are in
+docs/numerics.md). ``torch.optim.AdamW``'s default (for-each) step takes that ``sqrt``
 of its second moment; its fused CPU kernel (ATen's own, vectorised) takes the exact one.
 """
 

@@ -17,7 +17,7 @@ The launcher
    (``DistributedType.NO``, as under ``python script.py``); under ``accelerate launch`` one CPU
    process is a gloo group of one (``MULTI_CPU``). Both compute the same bytes (checked on
    every artifact of the embedded default). This saves the launcher's own process: its torch
-   import and torch-elastic agent, about 3 s per stage on 2 CPU cores.
+   import and torch-elastic agent, seconds per stage on a small CPU host.
 
    Of the variables accelerate's launcher sets for such a process, the mixed-precision and
    dynamo ones hold their defaults and the torch-elastic ones make the gloo group of one; the

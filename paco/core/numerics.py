@@ -15,16 +15,16 @@ Why each variable (measured on the embedded default, torch 2.13, numpy 2.4):
   CPU's instruction set at run time, and the paths round differently:
 
   - torch's ATen kernels (softmax, ...; ``ATEN_CPU_CAPABILITY``) and oneDNN's (convolution,
-    GELU; ``ONEDNN_MAX_CPU_ISA``): an AVX-512 AMD EPYC trained another judge than the AVX2 paths
+    GELU; ``ONEDNN_MAX_CPU_ISA``): an AVX-512 AMD CPU trained another judge than the AVX2 paths
     do;
   - MKL's GEMM (every float32 ``linear`` / ``matmul`` of torch's CPU build), through MKL's
     conditional numerical reproducibility branch (``MKL_CBWR``): ``COMPATIBLE``, the one branch
     MKL runs alike on Intel and non-Intel CPUs (SSE2 code without the approximate ``rcpps`` /
     ``rsqrtps``). A named ISA branch (``AVX2``, ...) is honoured on Intel CPUs only: elsewhere
-    MKL silently runs ``AUTO`` (an AMD EPYC's ``MKL_VERBOSE`` logs ``CNR:AUTO`` under
+    MKL silently runs ``AUTO`` (an AMD CPU's ``MKL_VERBOSE`` logs ``CNR:AUTO`` under
     ``MKL_CBWR=AVX2``), and an AMD host trained another judge than an Intel one
-    (docs/numerics.md). It costs speed: a float32 GEMM of the tiny models' sizes takes about 3x
-    as long as the AVX2 branch, a GRPO epoch about 1.2x (``benchmarks/bench_grpo_resolution.py``);
+    (docs/numerics.md). It costs speed: its GEMMs are slower than the AVX2 branch's
+    (``benchmarks/bench_grpo_resolution.py`` measures how much);
   - numpy's universal functions and sorts (``NPY_DISABLE_CPU_FEATURES``: the dispatch targets
     above AVX2, numpy's ``X86_V4``, ``AVX512_ICL``, ``AVX512_SPR``): on an AVX-512 Intel host
     the composites' bytes differed, and every stage after them with it;
@@ -33,7 +33,7 @@ Why each variable (measured on the embedded default, torch 2.13, numpy 2.4):
 
   With these variables every x86-64 CPU that has AVX2 and FMA, Intel or AMD, runs the same paths
   (AVX2, MKL's ``COMPATIBLE``). One kernel still rounds by the CPU on those paths: ``torch.sqrt``
-  of CPU tensors (MKL's vector math), which made an AMD EPYC and an Intel Xeon train two
+  of CPU tensors (MKL's vector math), which made an AMD and an Intel CPU train two
   judges; the trainers avoid it (:mod:`paco.core.host_independent`; docs/numerics.md,
   ``benchmarks/numerics_fingerprint.py``). The variables
   only touch CPU kernels (a GPU run is unaffected) and are defaults: a variable already set is kept

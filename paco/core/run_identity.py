@@ -68,7 +68,7 @@ def path_digest(path: str | os.PathLike[str]) -> str:
     not exist (an optional input such as an unused import folder).
 
     Every byte is hashed, like DVC's own ``md5`` of a dependency: a sampled hash could miss a
-    change and resume stale state (a 16 GB judge hashes in about 10 s).
+    change and resume stale state, and hashing even a multi-GB judge takes only seconds.
 
     Raises:
         OSError: a file cannot be read.

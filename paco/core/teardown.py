@@ -2,9 +2,8 @@
 
 CPython's teardown, after the ``atexit`` handlers, runs the cyclic garbage collector over every
 object still alive. A stage or judge-server process holds millions of them (the modules and
-classes of torch, transformers and diffusers), so that walk alone took about 0.8 s per process on
-2 CPU cores (a ``benchmark`` stage: 1.05 s from its last log line to its exit, 0.22 s with
-:func:`freeze_heap_at_exit`). ``dvc repro`` waits for every stage process, and a stage for every
+classes of torch, transformers and diffusers), so that walk alone takes most of the time from a
+stage's last log line to its exit, which :func:`freeze_heap_at_exit` skips. ``dvc repro`` waits for every stage process, and a stage for every
 judge server it stops.
 """
 

@@ -22,7 +22,7 @@ semantic-consistency question (``edit_sc``), both with the item's instruction
 (:mod:`paco.core.templates`). ``--`` pairs are not made: a wrong operation keeps the subject's
 identity but not its style (ambiguous), and an unchanged image is trivially consistent: as a
 Yes it teaches the small judge that identical means Yes, which the prompt-following question
-then contradicts (measured: held-out PF accuracy 0.32 with it, below chance). ``sc`` pairs are not made for
+then contradicts (with them, held-out PF accuracy fell below chance). ``sc`` pairs are not made for
 ``replace_subject`` items (the intended change is the subject itself, so "another photograph"
 is not a clean negative). Candidates are drawn with ``stable_seed(seed, ...)``, so the table is
 the same in any process. Each pair is repeated ``repeats`` times; odd repeats mirror both images

@@ -163,7 +163,7 @@ def _stat(result: Any) -> float:
 
 # Both statistics are asked of lists of candidate indices or positions of a few candidates (4 in
 # ConsistencyRank-Bench: at most 24 x 24 distinct pairs of permutations of 0..3), thousands of
-# times per evaluation (reward_eval: 11,424 calls, about 0.4 ms each in scipy): each distinct pair
+# times per evaluation (each a scipy call with its own fixed overhead): each distinct pair
 # is computed by scipy once per process (lists that compare equal hold equal numbers, so equal
 # ranks and the same statistic).
 @functools.lru_cache(maxsize=1 << 14)

@@ -1,4 +1,4 @@
-"""Pretrain the embedded default's tiny models on the shipped photographs (issue 30).
+"""Pretrain the embedded default's tiny models on the shipped photographs.
 
     python -m paco.pretrain [--recipe data/raw/pretrained/recipe.yaml] [--out data/raw/pretrained]
                                    [--only flux,clip,...]

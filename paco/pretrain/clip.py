@@ -3,7 +3,7 @@
 The tiny CLIP (:func:`paco.models.tiny.build_tiny` ``"clip"``: ``CLIPModel``, 32 px images,
 projection 64) is the ``clip`` role (CLIP-T reward, CLIP-I baseline) and the ``pickscore`` role
 (same files) of the embedded default. Random-init, it cannot tell a photograph of the prompt's
-subject from any other image, so its rewards carry no signal (issue 30). Here it is trained with
+subject from any other image, so its rewards carry no signal. Here it is trained with
 CLIP's objective on image/text pairs that name the same subject, preprocessed exactly as the
 rewards use it:
 

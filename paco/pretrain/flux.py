@@ -1,4 +1,4 @@
-"""Pretraining of the embedded default's FLUX.1 family (issue 30): ``flux`` (``FluxPipeline``,
+"""Pretraining of the embedded default's FLUX.1 family: ``flux`` (``FluxPipeline``,
 text to image sets) and ``flux_kontext`` (``FluxKontextPipeline``, editing).
 
 :func:`build` writes both directories under ``out_root``:

@@ -1,5 +1,5 @@
 """Reconstruction pretraining of the tiny FLUX.1 VAE (``AutoencoderKL``) on views of the subject
-photographs (issue 30), for :mod:`paco.pretrain.flux`.
+photographs, for :mod:`paco.pretrain.flux`.
 
 The VAE is trained as an autoencoder of views and layout grids of the 16 photographs
 (:func:`paco.pretrain.views.layout_grid`): loss ``|y - x|_1 + |y - x|_2^2`` (per-element

@@ -1,8 +1,8 @@
 """Generic image-pair pretraining of the whole tiny judge (vision tower, merger and language model).
 
 The embedded default's judge base (:func:`paco.models.tiny.build_tiny` ``"qwen2_5_vl"``) is
-random-init, and the reward stage trains only a rank-8 LoRA on its frozen random language model
-(issue 30). At paper scale the base is an instruction-tuned VLM that can already compare two
+random-init, and the reward stage trains only a rank-8 LoRA on its frozen random language model.
+At paper scale the base is an instruction-tuned VLM that can already compare two
 images; here a stand-in for that ability is trained with the generic objective of visual
 instruction tuning (LLaVA, Liu et al. 2023, "Visual Instruction Tuning", §4.2: the
 auto-regressive cross-entropy of the assistant's answer tokens given the images and the

@@ -1,4 +1,4 @@
-"""Fixed, non-learned yardsticks of the embedded default's pretrained models (issue 30).
+"""Fixed, non-learned yardsticks of the embedded default's pretrained models.
 
 * **Subject match** of a generated panel: the panel and a bank of views of every subject
   photograph are box-downsampled to 16 x 16 px (Pillow ``BOX``), their RGB values / 255 flattened

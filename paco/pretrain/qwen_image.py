@@ -1,4 +1,4 @@
-"""Pretraining of the embedded default's tiny Qwen-Image-Edit policy (issue 30).
+"""Pretraining of the embedded default's tiny Qwen-Image-Edit policy.
 
 :func:`build` writes ``<out_root>/qwen_image_edit/``: the ``QwenImageEditPipeline`` directory of
 :func:`paco.models.tiny.build_tiny` (same layout, ``model_index.json`` processor patch included)

@@ -3,7 +3,7 @@
 The embedded default's tiny models are pretrained (:mod:`paco.pretrain`) on the 16 subject
 photographs that the photo composites and edits are made of (:data:`paco.data.photos.SUBJECTS`),
 so that its base samples are images of their prompt's subject and its base edits resemble their
-input (issue 30). Every view here is drawn from a ``numpy.random.Generator`` the caller seeds:
+input. Every view here is drawn from a ``numpy.random.Generator`` the caller seeds:
 the same generator state gives the same arrays on any host (numpy's PCG64 and Pillow's bilinear
 resize are integer-exact).
 

@@ -1,4 +1,4 @@
-"""The ``benchmark:`` params section: the generators' benchmarks (issue 27; paper Table 3,
+"""The ``benchmark:`` params section: the generators' benchmarks (paper Table 3,
 T2IS-Bench, and Table 4, GEdit-Bench), one member per ``final_samples`` subtask. Stage
 ``benchmark@<subtask>`` scores that subtask's base and LoRA samples
 (``data/final_samples/<subtask>/samples.parquet``) with its protocol through OpenAI-compatible

@@ -234,7 +234,7 @@ class JudgeServerParams(_Section):
     max_wait_ms: float = Field(10.0, ge=0, description="wait for more requests after the first")
     threads: int = Field(0, ge=0, description="torch threads of the server (0: torch's default)")
     startup_timeout_s: float = Field(600.0, gt=0, description="seconds a start (or restart) may take until the "
-                                     "server answers; a cold vLLM start on 2 CPU cores takes 1-2.5 min")
+                                     "server answers; a cold vLLM start on CPU takes minutes")
     max_restarts: int = Field(2, ge=0, description="restarts of a local server that exits during the stage (on "
                               "its port; the requests in flight are asked again); the next exit fails the stage. "
                               "Launch-only (a change reruns nothing)")

@@ -340,7 +340,7 @@ class TemplateTeacher(Teacher):
     Raises:
         TeacherConfigError: ``size`` < 16.
 
-    ~5-10 ms per pair at 128 px on one CPU core (features are cached per image).
+    Features are computed once per image and cached.
     """
 
     backend = "template"

@@ -19,11 +19,10 @@ them depends on the mode:
   shape in its own; a request whose two images have different grids is always scored alone.
   Nothing is padded and the vision tower runs per image (:meth:`paco.judge.model.Judge.logits`),
   but the language model's GEMMs see ``n`` times the rows, and whether a row then rounds as it
-  does alone is the CPU's GEMM kernels' choice, not this code's: bit-identical on an AVX2 and an
-  AVX-512 AMD host, ~1.2e-7 apart on an AVX-512/AMX Intel host, and on an AVX-512 Intel Xeon
-  (Cascade Lake) grpo@kontext_editing's LoRA bytes differ from ``single``'s. Less judge CPU
-  time (about 1.35x less on 64 px panels, tiny judge, 1 thread; the same GRPO wall time there,
-  133 s, where rewards overlap sampling); not for runs that must give the same bytes.
+  does alone is the CPU's GEMM kernels' choice, not this code's: on some CPUs the scores, and
+  with them a GRPO run's LoRA bytes, differ from ``single``'s. Less judge CPU time, which shortens
+  a GRPO run only where rewards do not overlap sampling (figures: ``benchmarks/bench_judge.py``,
+  docs/embedded_default.md); not for runs that must give the same bytes.
 * ``dynamic``: all collected requests encoded together, left-padded, in one forward pass (the
   fastest, but a request's logits then depend on the others through padding, by up to ~3e-6,
   so GRPO runs are not reproducible run to run).
@@ -78,8 +77,8 @@ def _shape_key(inputs: Any) -> tuple | None:
     """What must be equal for two encodings to share an unpadded forward pass: every tensor's
     shape, and the image grids (which set the vision tower's attention windows). ``None`` when
     the request's images have different grids: when the tower ran per request, it computed a
-    request's features differently inside a batch than alone (measured: ~1e-7 on CPU, for
-    every such batch), so such a request gets a forward pass of its own."""
+    request's features differently inside a batch than alone (on CPU, in every such
+    batch), so such a request gets a forward pass of its own."""
     if "image_grid_thw" in inputs and len({tuple(g) for g in inputs["image_grid_thw"].tolist()}) > 1:
         return None
     key = []

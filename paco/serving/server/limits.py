@@ -10,12 +10,14 @@ Each limit is checked before the model sees the request; a 400 names the limit u
   parsed (strings skipped whole, nothing built): more objects, arrays and separators than
   ``--max-json-values`` anywhere in it (fields the schema ignores included), more content parts
   than ``--max-content-parts``, or nesting deeper than 32 levels is refused before pydantic
-  builds anything (the tester's 700,000 text parts cost 2.4 s and 500 MB before).
+  builds anything (a body of hundreds of thousands of text parts otherwise costs seconds and
+  hundreds of MB before it is refused).
 * ``--max-image-pixels``: width x height of each image, read from its header; decompression
   bombs are refused without decoding. Only PNG, JPEG, WebP and GIF are decoded, each only as
   the format its data URL declares.
 * ``--max-request-pixels``: the pixels of all the request's images together, read from their
-  headers before any is decoded (two 4096x4096 PNGs of 156 KB cost 1.4 s and 290 MB before).
+  headers before any is decoded (a few small, highly compressed PNGs can otherwise decode to
+  hundreds of MB).
 * context: an instruction longer in characters than ``--max-model-len`` (default: the model's
   ``max_position_embeddings``) times the vocabulary's longest token is refused without
   tokenizing; otherwise the full prompt, image tokens included, is counted exactly when the
