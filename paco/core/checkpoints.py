@@ -1,15 +1,19 @@
 """Checkpoint plumbing shared by the resumable training stages (``reward_train``,
-``grpo@<subtask>``): numbered checkpoint directories, resuming only under the same run identity
-(:func:`find_resumable`, skipping unreadable checkpoints), atomic directory replacement,
-deterministic safetensors and adapter bytes, and the per-stage ``plots/*.csv`` files.
+``grpo@<subtask>``): numbered checkpoint directories written atomically and pruned
+(:func:`write_checkpoint`), resuming only under the same run identity (:func:`find_resumable`,
+skipping unreadable checkpoints), atomic directory replacement, deterministic safetensors and
+adapter bytes, and the per-stage ``plots/*.csv`` files.
 
 A checkpoint is ``<dir>/<prefix><N>/`` holding a JSON state file; it is written to a hidden
 ``.tmp-<prefix><N>`` sibling and renamed into place, so a crash leaves either the previous
 checkpoints or a stray temp directory (removed on the next start), never a half checkpoint.
+Each trainer adds only its own files (weights, optimizer, RNG states) through
+:func:`write_checkpoint`'s callbacks.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,6 +26,7 @@ from typing import Any
 
 import pandas as pd
 
+from paco.core.distributed import wait_for_everyone
 from paco.core.io import write_json
 from paco.core.run_identity import RunIdentity
 
@@ -61,6 +66,100 @@ def replace_dir(tmp: Path, target: Path) -> None:
     else:
         os.replace(tmp, target)
 
+
+
+def fsync_tree(path: str | os.PathLike[str]) -> None:
+    """``os.fsync`` every file and directory under ``path`` (``path`` included), so a directory
+    renamed into place afterwards holds its data after a power loss too (a kill needs only the
+    rename). A directory the filesystem cannot fsync (``EINVAL``, ``EBADF``) is skipped.
+
+    Raises:
+        OSError: a file cannot be opened or synced.
+    """
+    for root, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
+
+
+def _fsync_dir(path: str | os.PathLike[str]) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not openable as a directory on this platform
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(checkpoints_dir: str | os.PathLike[str], name: str, state: Mapping[str, Any], *,
+                     prefix: str, keep: int, accelerator: Any, main: bool,
+                     write_each: Callable[[Path], None] | None = None,
+                     write_main: Callable[[Path], None] | None = None,
+                     plots_dir: Path | None = None) -> Path:
+    """Write checkpoint ``<checkpoints_dir>/<name>/`` atomically; every process of the run calls it.
+
+    1. The main process removes the temp directory ``.tmp-<name>`` (left by an interrupted
+       attempt) and creates it (and ``checkpoints_dir``); barrier.
+    2. Every process calls ``write_each(tmp)``: its own files (its RNG state) or a collective save
+       (``accelerator.save_state``); barrier.
+    3. The main process calls ``write_main(tmp)`` (the shared weights, the optimizer), writes
+       ``state`` (JSON, the run identity among it) as :data:`STATE_FILE` (what
+       :func:`list_checkpoints` takes as a complete checkpoint), fsyncs the directory's files
+       (:func:`fsync_tree`), renames it to ``<name>`` (:func:`replace_dir`; an existing one is
+       replaced), fsyncs ``checkpoints_dir``, keeps the newest ``keep`` checkpoints
+       (:func:`prune`) and rewrites ``plots_dir/*.csv`` from ``state["history"]``
+       (:func:`write_plot_csvs`; ``None``: none); barrier.
+
+    A kill before the rename leaves the previous checkpoints untouched and the hidden temp
+    directory, which :func:`list_checkpoints` ignores and :func:`find_resumable` (or the next write
+    of ``name``) removes. The temp directory's name is fixed, not random, so every process finds it
+    without a broadcast.
+
+    Args:
+        name: ``<prefix><N>`` (``N`` decimal digits, zero-padded as the trainer chooses).
+        accelerator: the run's ``accelerate.Accelerator`` for the barriers (``None``: one process).
+        main: whether this is the main process.
+
+    Returns:
+        ``<checkpoints_dir>/<name>``.
+
+    Raises:
+        ValueError: ``name`` is not ``<prefix><N>`` or ``keep`` < 1. OSError: a write fails.
+        TypeError / ValueError: ``state`` is not JSON-serialisable.
+    """
+    if not re.fullmatch(rf"{re.escape(prefix)}\d+", name):
+        raise ValueError(f"checkpoint name {name!r} is not {prefix!r} followed by digits")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    ckdir = Path(checkpoints_dir)
+    tmp, target = ckdir / f".tmp-{name}", ckdir / name
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    wait_for_everyone(accelerator)
+    if write_each is not None:
+        write_each(tmp)
+    wait_for_everyone(accelerator)
+    if main:
+        if write_main is not None:
+            write_main(tmp)
+        write_json(tmp / STATE_FILE, state)
+        fsync_tree(tmp)
+        replace_dir(tmp, target)
+        _fsync_dir(ckdir)
+        prune(ckdir, prefix, keep)
+        write_plot_csvs(plots_dir, state.get("history", {}))
+    wait_for_everyone(accelerator)
+    return target
 
 @dataclass(frozen=True)
 class Resume:

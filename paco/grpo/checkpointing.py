@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from paco.core import checkpoints as ckpt
-from paco.core.distributed import get_rng_state, set_rng_state, wait_for_everyone
+from paco.core.distributed import get_rng_state, set_rng_state
 from paco.core.io import write_json
 from paco.core.params import GrpoSubtaskParams
 from paco.core.stage import broadcast_from_main
@@ -144,33 +144,30 @@ def resume(run: GrpoRun) -> GrpoState:
 
 
 def save(run: GrpoRun, state: GrpoState) -> str:
-    """Checkpoint ``epoch-NNNN/`` after ``state.epoch`` epochs: trained, old and EMA LoRA
-    weights, the optimizer, every process's RNG state and ``trainer_state.json`` (run identity,
-    epoch, history, per-sample rewards); written to a temp directory and renamed; the newest
-    :data:`KEEP_CHECKPOINTS` are kept. Also rewrites ``plots/*.csv``."""
-    ckdir = run.checkpoints_dir
-    name = f"{CHECKPOINT_PREFIX}{state.epoch:04d}"
-    tmp = ckdir / f".tmp-{name}"
-    if run.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    wait_for_everyone(run.accelerator)
-    torch.save(get_rng_state(), tmp / f"rng-{run.rank}.pt")
-    wait_for_everyone(run.accelerator)
-    if run.main:
+    """Checkpoint ``epoch-NNNN/`` after ``state.epoch`` epochs
+    (:func:`paco.core.checkpoints.write_checkpoint`: a temp directory renamed into place, the
+    newest :data:`KEEP_CHECKPOINTS` kept, ``plots/*.csv`` rewritten): every process's RNG state,
+    then from the main process the trained, old and EMA LoRA weights, the optimizer and
+    ``trainer_state.json`` (run identity, epoch, history, per-sample rewards)."""
+
+    def write_weights(tmp: Path) -> None:
         weights = {f"trained/{n}": p.detach().float() for n, p in run.trained.items()}
         weights.update({f"old/{n}": p.detach().float() for n, p in run.policy.adapter_parameters(OLD_ADAPTER).items()})
         if run.ema is not None:
             weights.update({f"ema/{n}": v for n, v in run.ema.shadow.items()})
         ckpt.save_safetensors(weights, tmp / "lora.safetensors")
         torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
-        write_json(tmp / STATE_FILE, {**run.identity.to_state(), "epoch": state.epoch, "history": state.history,
-                                      "per_sample_rewards": state.per_sample_rewards})
-        ckpt.replace_dir(tmp, ckdir / name)
-        ckpt.prune(ckdir, CHECKPOINT_PREFIX, KEEP_CHECKPOINTS)
-        ckpt.write_plot_csvs(run.plots_dir, state.history)
-    wait_for_everyone(run.accelerator)
-    return str(ckdir / name)
+
+    def write_rng(tmp: Path) -> None:
+        torch.save(get_rng_state(), tmp / f"rng-{run.rank}.pt")
+
+    saved = {**run.identity.to_state(), "epoch": state.epoch, "history": state.history,
+             "per_sample_rewards": state.per_sample_rewards}
+    path = ckpt.write_checkpoint(run.checkpoints_dir, f"{CHECKPOINT_PREFIX}{state.epoch:04d}", saved,
+                                 prefix=CHECKPOINT_PREFIX, keep=KEEP_CHECKPOINTS, accelerator=run.accelerator,
+                                 main=run.main, write_each=write_rng, write_main=write_weights,
+                                 plots_dir=run.plots_dir)
+    return str(path)
 
 
 def selected_epoch(run: GrpoRun, state: GrpoState) -> int:

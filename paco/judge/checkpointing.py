@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from paco.core import checkpoints as ckpt
-from paco.core.io import write_json
 from paco.core.stage import broadcast_from_main
 from paco.judge.run import RewardRun, RewardState
 
@@ -117,29 +116,17 @@ def resume(run: RewardRun, state: RewardState) -> RewardState:
 
 
 def save_checkpoint(run: RewardRun, state: RewardState) -> str:
-    """``step-NNNNNNN/``: ``accelerator.save_state`` (LoRA weights via the hook, optimizer,
-    scheduler, every process's RNG state) plus ``trainer_state.json`` (run identity, position,
-    history); written to a temp directory and renamed; the newest :data:`KEEP_CHECKPOINTS` kept.
-    Also rewrites ``plots/*.csv``."""
-    acc, ckdir = run.accelerator, run.checkpoints_dir
-    name = f"{CHECKPOINT_PREFIX}{state.global_step:07d}"
-    tmp = ckdir / f".tmp-{name}"
-    if run.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        ckdir.mkdir(parents=True, exist_ok=True)
-    acc.wait_for_everyone()
-    acc.save_state(str(tmp))
-    acc.wait_for_everyone()
-    if run.main:
-        write_json(tmp / STATE_FILE, {
-            **run.identity.to_state(), "epoch": state.epoch, "step_in_epoch": state.step_in_epoch,
-            "steps_per_epoch": run.steps_per_epoch, "global_step": state.global_step, "history": state.history,
-        })
-        ckpt.replace_dir(tmp, ckdir / name)
-        ckpt.prune(ckdir, CHECKPOINT_PREFIX, KEEP_CHECKPOINTS)
-        ckpt.write_plot_csvs(run.plots_dir, state.history)
-    acc.wait_for_everyone()
-    return str(ckdir / name)
+    """``step-NNNNNNN/`` (:func:`paco.core.checkpoints.write_checkpoint`: a temp directory renamed
+    into place, the newest :data:`KEEP_CHECKPOINTS` kept, ``plots/*.csv`` rewritten):
+    ``accelerator.save_state`` on every process (LoRA weights via the hook, optimizer, scheduler,
+    every process's RNG state) plus ``trainer_state.json`` (run identity, position, history)."""
+    saved = {**run.identity.to_state(), "epoch": state.epoch, "step_in_epoch": state.step_in_epoch,
+             "steps_per_epoch": run.steps_per_epoch, "global_step": state.global_step, "history": state.history}
+    path = ckpt.write_checkpoint(run.checkpoints_dir, f"{CHECKPOINT_PREFIX}{state.global_step:07d}", saved,
+                                 prefix=CHECKPOINT_PREFIX, keep=KEEP_CHECKPOINTS, accelerator=run.accelerator,
+                                 main=run.main, write_each=lambda tmp: run.accelerator.save_state(str(tmp)),
+                                 plots_dir=run.plots_dir)
+    return str(path)
 
 
 def save_adapter(run: RewardRun, adapter_dir: str | os.PathLike[str] | None) -> None:
