@@ -430,7 +430,8 @@ def test_the_update_rescores_with_the_settings_the_rollout_sampled_with(tiny_mod
 
     used = []
     rescore = run.policy.transition_log_prob
-    monkeypatch.setattr(run.policy, "transition_log_prob", lambda steps, cond: used.append(steps.sde) or rescore(steps, cond))
+    monkeypatch.setattr(run.policy, "transition_log_prob",
+                        lambda steps, cond: used.append(steps.sde) or rescore(steps, cond))
     rewards = T.reward(run, roll)
     T.update(run, roll, T.advantages(run, rewards, roll.chosen).advantages, 0, GrpoState())
     assert used and set(used) == {sampled}

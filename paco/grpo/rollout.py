@@ -85,9 +85,10 @@ class RolloutBatch:
 
 def sample_groups(run: GrpoRun, epoch: int) -> RolloutBatch:
     """Sample the epoch's ``K x G`` trajectories with the old adapter and the run's SDE settings
-    (:attr:`paco.grpo.run.GrpoRun.sde`); trajectory ``i`` (prompt major) on process ``i % P`` (:func:`paco.grpo.plan.epoch_prompts`, :func:`sample_group`). With
-    ``rollout.overlap_rewards`` the served rewards of each group are scored while the next
-    one is sampled (:class:`paco.grpo.rewards.OverlappedRewards`).
+    (:attr:`paco.grpo.run.GrpoRun.sde`); trajectory ``i`` (prompt major) on process ``i % P``
+    (:func:`paco.grpo.plan.epoch_prompts`, :func:`sample_group`). With ``rollout.overlap_rewards``
+    the served rewards of each group are scored while the next one is sampled
+    (:class:`paco.grpo.rewards.OverlappedRewards`).
 
     Raises:
         paco.grpo.rewards.RewardError, paco.serving.judge_client.JudgeError: a served reward failed.
@@ -131,7 +132,8 @@ def stack_transitions(chunk: Sequence[Trajectory], j: int, device: torch.device 
     """
     first = chunk[0]
     for c in chunk[1:]:
-        if (c.sde != first.sde or c.sde_indices != first.sde_indices or (c.height, c.width) != (first.height, first.width)
+        if (c.sde != first.sde or c.sde_indices != first.sde_indices
+                or (c.height, c.width) != (first.height, first.width)
                 or not torch.equal(c.sigmas, first.sigmas) or not torch.equal(c.timesteps, first.timesteps)):
             raise ValueError(f"trajectories {first.index} and {c.index} were sampled with different SDE settings, "
                              "steps, sizes or schedules and cannot be re-scored together")

@@ -35,8 +35,9 @@ One epoch (the reference trainer's loop, ``train_flux.py`` of X-GenGroup/PaCo-RL
    (``std`` is the transition's std ``std_t * sqrt(-dt)``, so this is the exact KL between the
    two Gaussians per element; the reference divides by ``2 std_t**2 + 1e-7`` instead, a
    ``-dt`` times smaller value, which only rescales ``beta``). ``logp_old`` is recomputed with
-   the old adapter on the same inputs, so on the first update of an epoch, where old and
-   trained adapters are equal, the ratio is exactly 1. The reference policy (adapters off) is
+   the old adapter on the same inputs, with the SDE settings each trajectory recorded when it
+   was sampled (one :class:`paco.grpo.sde.SdeSettings` per run, made in :func:`setup`), so on the
+   first update of an epoch, where old and trained adapters are equal, the ratio is exactly 1. The reference policy (adapters off) is
    evaluated only where the KL is used: ``beta > 0``, or ``train.log_kl`` for the log (the
    reference code computes it only at ``beta > 0``). Gradients are clipped to
    ``max_grad_norm``; the EMA of the trained LoRA is updated every ``ema.update_every`` steps

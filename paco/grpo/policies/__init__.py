@@ -68,8 +68,8 @@ def policy_class(family: str) -> type[Policy]:
     return FAMILIES[family]
 
 
-def load_policy(family: str, model_dir: str | Path, lora: PolicyLoraParams | None, settings: PolicySettings, *, seed: int = 0,
-                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Policy:
+def load_policy(family: str, model_dir: str | Path, lora: PolicyLoraParams | None, settings: PolicySettings, *,
+                seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Policy:
     """Load ``model_dir`` as ``family``'s diffusers pipeline (:func:`paco.models.loading.load_pipeline`),
     move it to ``device`` and wrap it with ``lora`` adapters (``None``: none).
 
