@@ -383,6 +383,7 @@ def policy_step(data: Path, params_file: Path) -> dict[str, str]:
     from paco.core.params import load_params
     from paco.grpo.policies import TRAINED_ADAPTER, load_policy
     from paco.grpo.rewards import subtask_items
+    from paco.grpo.sde import SdeSettings
 
     cfg = load_params(params_file).grpo["t2is"]
     policy = load_policy(cfg.family, data / "models" / cfg.policy, cfg.lora, cfg.rollout, seed=0)
@@ -398,18 +399,15 @@ def policy_step(data: Path, params_file: Path) -> dict[str, str]:
             cond = policy.condition(prompts, side, side)
             gens = [torch.Generator().manual_seed(7 + i) for i in range(len(prompts))]
             roll = policy.generate(cond, height=side, width=side, num_steps=cfg.rollout.num_steps,
-                                   noise_level=cfg.rollout.noise_level, sde_indices=cfg.rollout.sde_indices,
-                                   noise_generators=gens, sigma_max=cfg.rollout.sigma_max)
+                                   sde=SdeSettings(cfg.rollout.noise_level, cfg.rollout.sigma_max),
+                                   sde_indices=cfg.rollout.sde_indices, noise_generators=gens)
             out["sample.log_probs"] = digest(roll.log_probs)
             phase[0] = "decode"
             images = policy.decode(roll.final_latents, side, side)
             out["decode.images"] = digest(b"".join(im.tobytes() for im in images))
         phase[0] = "train"
-        j = roll.sde_indices[0]
         with policy.using(TRAINED_ADAPTER):
-            logp, _, _ = policy.transition_log_prob(
-                roll.latents[:, 0, 0], roll.latents[:, 0, 1], roll.sigmas[j], roll.sigmas[j + 1],
-                roll.timesteps[j], cond, cfg.rollout.noise_level, cfg.rollout.sigma_max)
+            logp, _, _ = policy.transition_log_prob(roll.transitions(0), cond)  # the sampled SDE settings
         out["train.log_prob"] = digest(logp)
         logp.sum().backward()
         for name, p in policy.adapter_parameters(TRAINED_ADAPTER).items():

@@ -18,6 +18,7 @@ from paco.core.io import decode_image
 from paco.core.params import FinalSamplesParams
 from paco.core.seeding import stable_seed
 from paco.grpo import rewards as R
+from paco.grpo.sde import ODE
 
 LORA = "data/grpo/t2is/lora"
 
@@ -109,7 +110,7 @@ def test_a_native_sample_is_sampled_at_that_size_not_resized(tiny, native):
     policy = load_policy("flux", tiny[0], None, cfg, dtype=torch.float32, device=torch.device("cpu"))
     info = R.SubtaskItem.from_row(_prompts().iloc[0].to_dict())
     gen = torch.Generator().manual_seed(stable_seed(cfg.seed, "final", "c0", 0))
-    roll = policy.generate(policy.condition([info], 64, 128), height=64, width=128, num_steps=2, noise_level=0.0,
+    roll = policy.generate(policy.condition([info], 64, 128), height=64, width=128, num_steps=2, sde=ODE,
                            sde_indices=[], noise_generators=[gen])
     direct = np.asarray(policy.decode(roll.final_latents, 64, 128)[0])
     rows = native.set_index(["prompt_id", "variant"])

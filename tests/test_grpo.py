@@ -13,6 +13,7 @@ import torch
 from paco.grpo import rewards as R
 from paco.core.checkpoints import list_checkpoints
 from paco.grpo.checkpointing import CHECKPOINT_PREFIX
+from paco.grpo.sde import ODE, SdeSettings
 from paco.grpo.trainer import train_grpo
 from paco.serving.judge_client import JudgeError
 from paco.core.params import GrpoSubtaskParams
@@ -120,8 +121,8 @@ def test_group_initial_noise_is_shared_only_when_asked(tiny_model_dirs, same):
     cfg = _cfg(rollout=dict(sde_indices=[0], same_initial_noise=same))
     prompt = R.SubtaskItem.from_row(_prompts().iloc[0].to_dict())
     policy = FluxPolicy(load_flux_pipeline(tiny_model_dirs["policy_t2is"]), None, max_sequence_length=32)
-    trajs, images = sample_group(policy, prompt, policy.condition([prompt], 64, 64), [0, 1, 2], cfg, 0, 64, 64,
-                                 base_index=0)
+    trajs, images = sample_group(policy, prompt, policy.condition([prompt], 64, 64), [0, 1, 2], cfg,
+                                 SdeSettings(0.7), 0, 64, 64, base_index=0)
     x0 = [t.latents[0, 0] for t in trajs]  # the latent entering step 0: the initial noise
     assert torch.equal(x0[0], x0[1]) == same and torch.equal(x0[1], x0[2]) == same
     assert not torch.equal(trajs[0].latents[0, 1], trajs[1].latents[0, 1])  # the SDE noise always differs
@@ -170,7 +171,7 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_the_policy(red_run, t
         if with_lora:
             pipe.load_lora_weights(str(out / "lora"))
         pol = FluxPolicy(pipe, None, max_sequence_length=32)
-        roll = pol.generate(pol.condition([R.SubtaskItem("p", prompt, "", 1, 1, (prompt,))], 64, 64), height=64, width=64, num_steps=4, noise_level=0.0,
+        roll = pol.generate(pol.condition([R.SubtaskItem("p", prompt, "", 1, 1, (prompt,))], 64, 64), height=64, width=64, num_steps=4, sde=ODE,
                           sde_indices=[], noise_generators=[torch.Generator().manual_seed(0)])
         images[with_lora] = np.asarray(pol.decode(roll.final_latents, 64, 64)[0], dtype=np.float64)
     assert np.abs(images[True] - images[False]).mean() > 0.5  # the LoRA changes the image
@@ -360,11 +361,11 @@ def test_a_continued_run_keeps_only_the_evaluations_of_its_schedule(tiny_model_d
 
 
 def test_the_loop_steps_one_at_a_time(tiny_model_dirs, tmp_path):
-    """setup -> rollout -> reward -> advantages -> update, each called alone on one epoch."""
+    """setup -> sample_groups -> reward -> advantages -> update, each called alone on one epoch."""
     from paco.grpo import trainer as T
     from paco.grpo.plan import epoch_prompts
     from paco.grpo.report import epoch_row
-    from paco.grpo.rollout import rollout
+    from paco.grpo.rollout import sample_groups
     from paco.grpo.run import GrpoState
 
     cfg = _cfg(epochs=1)
@@ -375,7 +376,7 @@ def test_the_loop_steps_one_at_a_time(tiny_model_dirs, tmp_path):
     # step's CPU square root rounds differently on other CPUs
     assert isinstance(run.optimizer, torch.optim.AdamW) and all(g["fused"] for g in run.optimizer.param_groups)
     assert {id(p) for g in run.optimizer.param_groups for p in g["params"]} == {id(p) for p in run.trained.values()}
-    roll = rollout(run, 0)
+    roll = sample_groups(run, 0)
     assert [t.index for t in roll.trajectories] == list(range(8)) and len(roll.images) == 8
     assert roll.chosen == epoch_prompts(run.train_ids, 2, cfg.seed, 0)
     rewards = T.reward(run, roll)
@@ -392,6 +393,50 @@ def test_the_loop_steps_one_at_a_time(tiny_model_dirs, tmp_path):
     assert row["epoch"] == 1 and "seconds" not in row  # plots hold deterministic figures only
 
 
+def test_the_update_rescores_with_the_settings_the_rollout_sampled_with(tiny_model_dirs, tmp_path, monkeypatch):
+    """The run's SDE settings are one value (``GrpoRun.sde``, from ``rollout.noise_level`` and
+    ``sigma_max``), recorded on every sampled trajectory: re-scoring a kept transition under the old
+    adapter gives its sampled log-prob exactly, and the update re-scores with the recorded settings
+    even if the params and the run's settings change after the rollout (nothing below re-reads
+    them). Trajectories sampled with different settings cannot be re-scored together."""
+    from dataclasses import replace
+
+    from paco.grpo import trainer as T
+    from paco.grpo.policies import OLD_ADAPTER, Conditioning
+    from paco.grpo.rollout import sample_groups, stack_transitions
+    from paco.grpo.run import GrpoState
+
+    cfg = _cfg(epochs=1, rollout=dict(noise_level=0.9, sde_indices=[0, 2]))  # step 0 uses sigma_max
+    run = T.setup(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(), _identity(cfg),
+                  checkpoints_dir=tmp_path / "ck", plots_dir=None, accelerator=None)
+    sampled = SdeSettings(0.9, "schedule")
+    assert run.sde == sampled
+    roll = sample_groups(run, 0)
+    assert all(t.sde == sampled for t in roll.trajectories)
+    other = SdeSettings(0.3, 0.5)
+    run.cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"noise_level": 0.3, "sigma_max": 0.5})})
+    run.sde = other
+    group = roll.trajectories[:4]  # prompt 0's group: one sampling batch (rollout.batch_size 4)
+    emb = Conditioning.cat([t.embeds for t in group])
+    with torch.no_grad(), run.policy.using(OLD_ADAPTER):
+        for j in range(2):
+            lp, _, _ = run.policy.transition_log_prob(stack_transitions(group, j, run.device), emb)
+            assert torch.equal(lp, torch.stack([t.log_probs[j] for t in group]))
+            lp_other, _, _ = run.policy.transition_log_prob(replace(stack_transitions(group, j, run.device),
+                                                                    sde=other), emb)
+            assert not torch.allclose(lp_other, lp)  # the settings do matter at both steps
+    with pytest.raises(ValueError, match="different SDE settings"):
+        stack_transitions([group[0], replace(group[1], sde=other)], 0, run.device)
+
+    used = []
+    rescore = run.policy.transition_log_prob
+    monkeypatch.setattr(run.policy, "transition_log_prob",
+                        lambda steps, cond: used.append(steps.sde) or rescore(steps, cond))
+    rewards = T.reward(run, roll)
+    T.update(run, roll, T.advantages(run, rewards, roll.chosen).advantages, 0, GrpoState())
+    assert used and set(used) == {sampled}
+
+
 def test_gradient_checkpointing_is_switched_on_in_setup_and_changes_no_update(tiny_model_dirs, tmp_path):
     """``train.gradient_checkpointing`` (default off, also in params.yaml) turns diffusers'
     checkpointing on in setup; one epoch's update from the same rollouts then runs each block
@@ -401,7 +446,7 @@ def test_gradient_checkpointing_is_switched_on_in_setup_and_changes_no_update(ti
 
     from paco.core.params import read_params_yaml
     from paco.grpo import trainer as T
-    from paco.grpo.rollout import rollout
+    from paco.grpo.rollout import sample_groups
     from paco.grpo.run import GrpoState
 
     assert GrpoSubtaskParams.model_validate({}).train.gradient_checkpointing is False
@@ -413,7 +458,7 @@ def test_gradient_checkpointing_is_switched_on_in_setup_and_changes_no_update(ti
         runs[ckpt] = T.setup(cfg, _prompts(), tiny_model_dirs["policy_t2is"], R.RewardContext(), _identity(cfg),
                              checkpoints_dir=tmp_path / f"ck{ckpt}", plots_dir=None, accelerator=None)
         assert runs[ckpt].policy.transformer.gradient_checkpointing is ckpt
-    roll = rollout(runs[False], 0)
+    roll = sample_groups(runs[False], 0)
     adv = T.advantages(runs[False], T.reward(runs[False], roll), roll.chosen)
     stats = {}
     for ckpt, run in runs.items():

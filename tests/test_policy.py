@@ -20,6 +20,7 @@ from paco.grpo.policies import (
     policy_class,
 )
 from paco.grpo.rewards import SubtaskItem
+from paco.grpo.sde import ODE, SdeSettings
 from paco.models.loading import load_flux_pipeline, load_pipeline
 
 PROMPTS = ["a tabby cat on a cushion", "two red kites over a beach"]
@@ -58,7 +59,7 @@ def test_noise_level_zero_reproduces_flux_pipeline_exactly(tiny_model_dirs, poli
                generator=_gens(2), output_type="latent").images
     # LoRA B starts at zero, so the trained adapter is the base model; SDE steps with a = 0
     roll = policy.generate(policy.condition(_infos(PROMPTS), 64, 96), height=64, width=96, num_steps=5,
-                           noise_level=0.0, sde_indices=[1, 3], noise_generators=_gens(2))
+                           sde=ODE, sde_indices=[1, 3], noise_generators=_gens(2))
     assert torch.equal(roll.final_latents, ref.float())
 
 
@@ -72,7 +73,7 @@ def test_noise_level_zero_reproduces_flux_kontext_pipeline_exactly(tiny_model_di
                num_inference_steps=5, guidance_scale=2.5, max_sequence_length=32, generator=_gens(2),
                output_type="latent", _auto_resize=False, max_area=64 * 96).images
     roll = kontext.generate(kontext.condition(_infos(PROMPTS, refs), 64, 96), height=64, width=96, num_steps=5,
-                            noise_level=0.0, sde_indices=[1], noise_generators=_gens(2))
+                            sde=ODE, sde_indices=[1], noise_generators=_gens(2))
     assert torch.equal(roll.final_latents, ref.float())
 
 
@@ -126,16 +127,16 @@ def test_an_editing_family_refuses_a_prompt_without_reference(kontext):
 def test_sde_transitions_rescore_to_the_sampled_log_prob(policy, kontext):
     for pol, refs in ((policy, None), (kontext, [_photo(6, (64, 64)), _photo(7, (64, 64))])):
         emb = pol.condition(_infos(PROMPTS, refs), 64, 64)
-        roll = pol.generate(emb, height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
+        roll = pol.generate(emb, height=64, width=64, num_steps=4, sde=SdeSettings(0.7), sde_indices=[0, 2],
                             noise_generators=_gens(2), sde_generators=_gens(2, 10))
         assert roll.latents.shape[:3] == (2, 2, 2) and roll.log_probs.shape == (2, 2)
-        for j, step in enumerate(roll.sde_indices):
-            lp, mean, std = pol.transition_log_prob(roll.latents[:, j, 0], roll.latents[:, j, 1], roll.sigmas[step],
-                                                    roll.sigmas[step + 1], roll.timesteps[step], emb, 0.7)
-            torch.testing.assert_close(lp, roll.log_probs[:, j], rtol=0, atol=1e-6)
+        assert roll.sde == SdeSettings(0.7)  # recorded: the re-scoring takes it from here
+        for j in range(len(roll.sde_indices)):
+            lp, mean, std = pol.transition_log_prob(roll.transitions(j), emb)
+            assert torch.equal(lp, roll.log_probs[:, j])  # the same computation: ratio exactly 1
             assert std.shape == (2, 1, 1) and torch.all(std > 0)
         # a row's sample depends only on its own generators, not on the batch
-        solo = pol.generate(emb.select([1]), height=64, width=64, num_steps=4, noise_level=0.7, sde_indices=[0, 2],
+        solo = pol.generate(emb.select([1]), height=64, width=64, num_steps=4, sde=SdeSettings(0.7), sde_indices=[0, 2],
                             noise_generators=_gens(1, 1), sde_generators=_gens(1, 11))
         torch.testing.assert_close(solo.final_latents[0], roll.final_latents[1], rtol=0, atol=1e-5)
 
@@ -250,7 +251,7 @@ def test_noise_level_zero_reproduces_qwen_image_edit_pipeline_exactly(tiny_model
         qwen_edit.negative_prompt = negative
         try:
             roll = qwen_edit.generate(qwen_edit.condition(_infos(PROMPTS[:1], refs), 32, 48), height=32, width=48,
-                                      num_steps=4, noise_level=0.0, sde_indices=[1], noise_generators=_gens(1))
+                                      num_steps=4, sde=ODE, sde_indices=[1], noise_generators=_gens(1))
         finally:
             qwen_edit.negative_prompt = " "
     assert torch.equal(roll.final_latents, ref.float())
@@ -298,10 +299,9 @@ def test_qwen_text_of_different_lengths_concatenates_padded(qwen_edit):
 
 def test_qwen_sde_transitions_rescore(qwen_edit):
     emb = qwen_edit.condition(_infos(PROMPTS, [_photo(6, (32, 32)), _photo(7, (32, 32))]), 32, 32)
-    roll = qwen_edit.generate(emb, height=32, width=32, num_steps=3, noise_level=1.0, sde_indices=[1],
+    roll = qwen_edit.generate(emb, height=32, width=32, num_steps=3, sde=SdeSettings(1.0), sde_indices=[1],
                               noise_generators=_gens(2), sde_generators=_gens(2, 10))
-    lp, _, _ = qwen_edit.transition_log_prob(roll.latents[:, 0, 0], roll.latents[:, 0, 1], roll.sigmas[1],
-                                             roll.sigmas[2], roll.timesteps[1], emb, 1.0)
+    lp, _, _ = qwen_edit.transition_log_prob(roll.transitions(0), emb)
     torch.testing.assert_close(lp, roll.log_probs[:, 0], rtol=0, atol=1e-5)
     images = qwen_edit.decode(roll.final_latents, 32, 32)
     assert len(images) == 2 and images[0].size == (32, 32)
@@ -341,12 +341,11 @@ def test_gradient_checkpointing_recomputes_the_blocks_with_the_same_loss_and_gra
         calls = []
         pol.transformer.transformer_blocks[0].attn.register_forward_pre_hook(lambda *_: calls.append(1))
         emb = pol.condition(_infos(PROMPTS, refs), 32, 32)
-        roll = pol.generate(emb, height=32, width=32, num_steps=3, noise_level=0.7, sde_indices=[1],
+        roll = pol.generate(emb, height=32, width=32, num_steps=3, sde=SdeSettings(0.7), sde_indices=[1],
                             noise_generators=_gens(2), sde_generators=_gens(2, 10))
         assert len(calls) == 3 * forwards  # sampling: no recomputation
         calls.clear()
-        lp, _, _ = pol.transition_log_prob(roll.latents[:, 0, 0], roll.latents[:, 0, 1], roll.sigmas[1],
-                                           roll.sigmas[2], roll.timesteps[1], emb, 0.7)
+        lp, _, _ = pol.transition_log_prob(roll.transitions(0), emb)
         lp.sum().backward()
         assert len(calls) == (2 if ckpt else 1) * forwards
         # (Qwen-Image's last block: its text-stream output is unused, so some of its LoRA get no or zero gradients)

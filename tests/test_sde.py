@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from paco.grpo.sde import calculate_shift, flux_sigmas, sde_step
+from paco.grpo.sde import ODE, SdeSettings, calculate_shift, flux_sigmas, sde_step
 
 
 def _reference(v, x, sigma, sigma_next, a, x_next, sigma_max=0.98):
@@ -119,6 +120,31 @@ def test_sigma_max_schedule_is_the_schedules_second_sigma():
 def test_bad_sigma_max_raises(sigma_max):
     with pytest.raises(ValueError, match="sigma_max must be 'schedule' or a number"):
         sde_step(torch.zeros(1, 2), torch.zeros(1, 2), 1.0, 0.9, 0.7, sigma_max=sigma_max)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(noise_level=-0.1), "noise_level must be a number >= 0"),
+    (dict(noise_level=True), "noise_level must be a number >= 0"),
+    (dict(noise_level=float("nan")), "noise_level must be a number >= 0"),
+    (dict(noise_level=0.7, sigma_max=1.0), "sigma_max must be 'schedule' or a number"),
+    (dict(noise_level=0.7, sigma_max="sched"), "sigma_max must be 'schedule' or a number"),
+])
+def test_sde_settings_are_checked_when_made(kw, match):
+    """A run's SDE settings are checked once, where the params become one value, not at every step."""
+    with pytest.raises(ValueError, match=match):
+        SdeSettings(**kw)
+
+
+def test_sde_settings_are_one_frozen_value_and_ode_is_noise_level_zero():
+    assert ODE == SdeSettings(0.0, "schedule") and SdeSettings(0.7) == SdeSettings(0.7, "schedule")
+    assert SdeSettings(0.7, 0.98) != SdeSettings(0.7)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ODE.noise_level = 0.7  # type: ignore[misc]
+    # sampling with ODE is the deterministic Euler step
+    g = torch.Generator().manual_seed(0)
+    v, x = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    nxt, logp, _, _ = sde_step(v, x, 0.8, 0.5, ODE.noise_level, sigma_max=ODE.sigma_max)
+    assert torch.equal(nxt, x + v * (0.5 - 0.8)) and torch.equal(logp, torch.zeros(2))
 
 
 @pytest.mark.parametrize("kw,match", [

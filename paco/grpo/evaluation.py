@@ -25,6 +25,7 @@ from paco.grpo.policies import TRAINED_ADAPTER, Policy
 from paco.grpo.monitors import MONITORS, monitor_warnings, sample_monitors
 from paco.grpo.rewards import OverlappedRewards, RewardContext, SubtaskItem, compute_rewards
 from paco.grpo.run import GrpoRun, GrpoState
+from paco.grpo.sde import ODE
 
 log = logging.getLogger("paco.grpo.evaluation")
 
@@ -54,9 +55,9 @@ def evaluate(policy: Policy, prompts: Sequence[SubtaskItem], sizes: Sequence[tup
                 chunk = idx[start:start + e.batch_size]
                 emb = policy.condition([prompts[i] for i in chunk], h, w)
                 noise = [generators(cfg.seed, "eval", 0, prompts[i].prompt_id, [0])[0] for i in chunk]
-                roll = policy.generate(emb, height=h, width=w, num_steps=e.num_steps, noise_level=0.0,
-                                       sde_indices=[], noise_generators=noise)
-                images = policy.decode(roll.final_latents, h, w)
+                batch = policy.generate(emb, height=h, width=w, num_steps=e.num_steps, sde=ODE,
+                                        sde_indices=[], noise_generators=noise)
+                images = policy.decode(batch.final_latents, h, w)
                 rows += zip(chunk, images, strict=True)
                 if overlap is not None:
                     overlap.submit(images, [prompts[i] for i in chunk])

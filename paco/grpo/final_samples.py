@@ -39,6 +39,7 @@ from paco.grpo.policies import Policy, grid_size, load_policy
 from paco.grpo.policies.lora_io import load_lora
 from paco.grpo.rewards import (SERVED_REWARDS, OverlappedRewards, RewardContext, SubtaskItem, compute_rewards,
                                subtask_items)
+from paco.grpo.sde import ODE
 from paco.data.subfigures import crop_panels
 
 log = logging.getLogger("paco.grpo.final_samples")
@@ -60,9 +61,9 @@ def _generate(policy: Policy, jobs: Sequence[tuple[SubtaskItem, int, tuple[int, 
         for c0 in range(0, len(idx), cfg.batch_size):
             chunk = idx[c0:c0 + cfg.batch_size]
             gens = [torch.Generator().manual_seed(stable_seed(cfg.seed, "final", pid, jobs[i][1])) for i in chunk]
-            roll = policy.generate(emb.select([0] * len(chunk)), height=h, width=w, num_steps=cfg.num_steps,
-                                 noise_level=0.0, sde_indices=[], noise_generators=gens)
-            for i, im in zip(chunk, policy.decode(roll.final_latents, h, w), strict=True):
+            batch = policy.generate(emb.select([0] * len(chunk)), height=h, width=w, num_steps=cfg.num_steps,
+                                    sde=ODE, sde_indices=[], noise_generators=gens)
+            for i, im in zip(chunk, policy.decode(batch.final_latents, h, w), strict=True):
                 out[i] = im
     return out  # type: ignore[return-value]
 

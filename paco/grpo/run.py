@@ -17,6 +17,7 @@ from paco.core.run_identity import RunIdentity
 from paco.grpo.ema import LoraEMA
 from paco.grpo.policies import Conditioning, Policy
 from paco.grpo.rewards import RewardContext, SubtaskItem
+from paco.grpo.sde import SdeSettings
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class EpochInfo:
 @dataclass
 class GrpoRun:
     """What stays fixed through a GRPO run: params, processes, the policy with its adapters, the
-    optimizer, the EMA, the prompts and their sizes, the run identity and where state goes."""
+    SDE settings of its rollouts, the optimizer, the EMA, the prompts and their sizes, the run
+    identity and where state goes."""
 
     cfg: GrpoSubtaskParams
     ctx: RewardContext
@@ -44,6 +46,9 @@ class GrpoRun:
     world: int
     device: torch.device
     policy: Policy
+    #: ``rollout.noise_level`` and ``rollout.sigma_max``, read once (:func:`paco.grpo.trainer.setup`):
+    #: the rollouts sample with them and record them, the update re-scores with the recorded ones
+    sde: SdeSettings
     trained: dict[str, torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     ema: LoraEMA | None

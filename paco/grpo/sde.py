@@ -29,11 +29,16 @@ released code fails on ``timesteps[1]``) the second sigma is the final 0, so ``s
 The log-prob is the Gaussian log-density of ``x'`` averaged (not summed) over all non-batch
 elements, as in the reference implementation (``sde_denoising_step.py`` of X-GenGroup/PaCo-RL,
 itself from Flow-GRPO), in float32 whatever the input dtype (bf16 overflows in the mean).
+
+A run's ``a`` and ``sigma_max`` travel together as one :class:`SdeSettings`, made once from the
+params (``grpo.<subtask>.rollout``) and recorded on every sampled trajectory, so the log-prob a
+transition is re-scored with in training uses the very settings it was sampled with.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -42,6 +47,43 @@ from paco.core import host_independent
 
 #: ``log(sqrt(2 pi))``, the Gaussian normaliser per element.
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def _check_sigma_max(sigma_max: Any) -> None:
+    """Raises ValueError unless ``sigma_max`` is ``"schedule"`` or a number in ``(0, 1)``."""
+    if isinstance(sigma_max, str):
+        ok = sigma_max == "schedule"
+    else:
+        ok = not isinstance(sigma_max, bool) and 0.0 < float(sigma_max) < 1.0
+    if not ok:
+        raise ValueError(f"sigma_max must be 'schedule' or a number in (0, 1), got {sigma_max!r}")
+
+
+@dataclass(frozen=True)
+class SdeSettings:
+    """The settings of a run's SDE steps, shared by sampling and by re-scoring a kept transition.
+
+    Attributes:
+        noise_level: ``a >= 0`` of the SDE steps (paper 0.7; ``0``: every step is the ODE step).
+        sigma_max: what replaces ``sigma`` in ``1 - sigma`` at ``sigma = 1``: ``"schedule"`` (the
+            released code: the schedule's second sigma) or a number in ``(0, 1)`` (Flow-GRPO's 0.98);
+            see :func:`sde_step`.
+
+    Raises:
+        ValueError: a negative noise level or a ``sigma_max`` neither ``"schedule"`` nor in ``(0, 1)``.
+    """
+
+    noise_level: float
+    sigma_max: float | Literal["schedule"] = "schedule"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.noise_level, bool) or not float(self.noise_level) >= 0.0:
+            raise ValueError(f"noise_level must be a number >= 0, got {self.noise_level!r}")
+        _check_sigma_max(self.sigma_max)
+
+
+#: deterministic sampling (evaluation, final samples): noise level 0, every step the ODE step
+ODE = SdeSettings(noise_level=0.0)
 
 
 def _per_row(value: Any, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -100,11 +142,8 @@ def sde_step(
         raise ValueError(f"velocity {tuple(velocity.shape)} and latents {tuple(latents.shape)} differ")
     if next_latents is not None and next_latents.shape != latents.shape:
         raise ValueError(f"next_latents {tuple(next_latents.shape)} and latents {tuple(latents.shape)} differ")
+    _check_sigma_max(sigma_max)
     from_schedule = isinstance(sigma_max, str)
-    if from_schedule and sigma_max != "schedule":
-        raise ValueError(f"sigma_max must be 'schedule' or a number in (0, 1), got {sigma_max!r}")
-    if not from_schedule and (isinstance(sigma_max, bool) or not 0.0 < float(sigma_max) < 1.0):
-        raise ValueError(f"sigma_max must be 'schedule' or a number in (0, 1), got {sigma_max!r}")
     v = velocity.float()
     x = latents.float()
     s = _per_row(sigma, x, "sigma")

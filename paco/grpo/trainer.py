@@ -35,8 +35,9 @@ One epoch (the reference trainer's loop, ``train_flux.py`` of X-GenGroup/PaCo-RL
    (``std`` is the transition's std ``std_t * sqrt(-dt)``, so this is the exact KL between the
    two Gaussians per element; the reference divides by ``2 std_t**2 + 1e-7`` instead, a
    ``-dt`` times smaller value, which only rescales ``beta``). ``logp_old`` is recomputed with
-   the old adapter on the same inputs, so on the first update of an epoch, where old and
-   trained adapters are equal, the ratio is exactly 1. The reference policy (adapters off) is
+   the old adapter on the same inputs, with the SDE settings each trajectory recorded when it
+   was sampled (one :class:`paco.grpo.sde.SdeSettings` per run, made in :func:`setup`), so on the
+   first update of an epoch, where old and trained adapters are equal, the ratio is exactly 1. The reference policy (adapters off) is
    evaluated only where the KL is used: ``beta > 0``, or ``train.log_kl`` for the log (the
    reference code computes it only at ``beta > 0``). Gradients are clipped to
    ``max_grad_norm``; the EMA of the trained LoRA is updated every ``ema.update_every`` steps
@@ -93,8 +94,9 @@ from paco.grpo.plan import evaluation_epochs, minibatches, trajectory_prompts
 from paco.grpo.policies import OLD_ADAPTER, TRAINED_ADAPTER, Conditioning, grid_size, load_policy
 from paco.grpo.report import epoch_row, summarise
 from paco.grpo.rewards import RewardContext, compute_rewards, subtask_items
-from paco.grpo.rollout import Rollout, rollout
+from paco.grpo.rollout import RolloutBatch, sample_groups, stack_transitions
 from paco.grpo.run import Advantages, EpochInfo, GrpoRun, GrpoState
+from paco.grpo.sde import SdeSettings
 
 log = logging.getLogger("paco.grpo.trainer")
 
@@ -193,7 +195,7 @@ def catch_up_evaluations(run: GrpoRun, state: GrpoState) -> None:
 def train_epoch(run: GrpoRun, state: GrpoState, epoch: int,
                 callback: Callable[[EpochInfo], None] | None = None) -> None:
     """One epoch (0-based ``epoch``; the module docstring's steps): evaluate if it is on the
-    schedule and not yet in the history, :func:`paco.grpo.rollout.rollout`, :func:`reward`,
+    schedule and not yet in the history, :func:`paco.grpo.rollout.sample_groups`, :func:`reward`,
     :func:`advantages`, :func:`update`, record the epoch's row, evaluate after the last epoch,
     checkpoint (every ``save_every`` epochs and after the last), then ``callback``."""
     cfg = run.cfg
@@ -201,7 +203,7 @@ def train_epoch(run: GrpoRun, state: GrpoState, epoch: int,
     if epoch in evaluation_epochs(cfg.epochs, cfg.eval.every) and not _evaluated(state, epoch):
         record_evaluation(run, state, epoch)
     ts = time.perf_counter()
-    roll = rollout(run, epoch)
+    roll = sample_groups(run, epoch)
     tr = time.perf_counter()
     rewards = reward(run, roll)
     adv = advantages(run, rewards, roll.chosen)
@@ -261,7 +263,9 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
     """Set the CPU threads, add the launch to the run identity
     (:func:`paco.core.run_identity.launch_parts`), check the prompts against the params, load the
     policy with its LoRA adapters (trained, old; with ``train.gradient_checkpointing``, gradient
-    checkpointing on its transformer) and build the optimizer and the EMA.
+    checkpointing on its transformer), read the SDE settings (``rollout.noise_level``,
+    ``rollout.sigma_max``: the one :class:`paco.grpo.sde.SdeSettings` of the run) and build the
+    optimizer and the EMA.
 
     Raises:
         paco.core.params.ParamsError: a split without prompts, too few prompts for ``prompts_per_epoch`` or too few
@@ -310,7 +314,8 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
     ema = LoraEMA(trained, t.ema.decay, warmup=t.ema.warmup, update_every=t.ema.update_every) if t.ema.enabled else None
     run = GrpoRun(
         cfg=cfg, ctx=ctx, identity=identity, accelerator=accelerator, rank=rank, world=world, device=device,
-        policy=policy, trained=trained, optimizer=optimizer, ema=ema, infos=infos, train_ids=train_ids,
+        policy=policy, sde=SdeSettings(cfg.rollout.noise_level, cfg.rollout.sigma_max),
+        trained=trained, optimizer=optimizer, ema=ema, infos=infos, train_ids=train_ids,
         train_size={pid: grid_size(*size_of[pid], cfg.train.resolution) for pid in train_ids},
         eval_prompts=[infos[p] for p in eval_ids],
         eval_sizes=[grid_size(*size_of[p], cfg.eval.resolution) for p in eval_ids],
@@ -336,7 +341,7 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
 # --------------------------------------------------------------------------------------------
 
 
-def reward(run: GrpoRun, roll: Rollout) -> dict[str, np.ndarray]:
+def reward(run: GrpoRun, roll: RolloutBatch) -> dict[str, np.ndarray]:
     """Every reward of ``rewards`` for this process's samples, gathered over processes:
     reward name -> ``(K * G,)`` float64 in trajectory order. Served rewards already scored
     during the rollout (``roll.served``) are taken from there.
@@ -367,7 +372,7 @@ def advantages(run: GrpoRun, rewards: dict[str, np.ndarray], chosen: Sequence[st
                       weighted_sum(rewards, cfg.rewards))
 
 
-def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: GrpoState) -> dict[str, float]:
+def update(run: GrpoRun, roll: RolloutBatch, adv: np.ndarray, epoch: int, state: GrpoState) -> dict[str, float]:
     """The epoch's policy update (module docstring, step 5), then the old adapter := trained.
 
     Returns the summed statistics over processes (``loss``, ``policy_loss``, ``kl`` (NaN where
@@ -398,19 +403,14 @@ def update(run: GrpoRun, roll: Rollout, adv: np.ndarray, epoch: int, state: Grpo
                 emb = Conditioning.cat([c.embeds for c in chunk]).to_device(device)
                 a = torch.tensor([adv[c.index] for c in chunk], dtype=torch.float32, device=device)
                 for j in trained_steps:
-                    step = chunk[0].sde_indices[j]
-                    x = torch.stack([c.latents[j, 0] for c in chunk]).to(device)
-                    x_next = torch.stack([c.latents[j, 1] for c in chunk]).to(device)
-                    sig, sig_next = chunk[0].sigmas[step], chunk[0].sigmas[step + 1]
-                    ts_ = chunk[0].timesteps[step]
-                    args = (x, x_next, sig, sig_next, ts_, emb, cfg.rollout.noise_level, cfg.rollout.sigma_max)
+                    steps = stack_transitions(chunk, j, device)  # with the SDE settings they were sampled with
                     with torch.no_grad():
                         with policy.using(OLD_ADAPTER):
-                            old_lp, _, _ = policy.transition_log_prob(*args)
+                            old_lp, _, _ = policy.transition_log_prob(steps, emb)
                         if with_kl:
                             with policy.using(None):
-                                _, ref_mean, _ = policy.transition_log_prob(*args)
-                    lp, mean, std = policy.transition_log_prob(*args)
+                                _, ref_mean, _ = policy.transition_log_prob(steps, emb)
+                    lp, mean, std = policy.transition_log_prob(steps, emb)
                     pl, ratio = clipped_surrogate(lp, old_lp, a, t.clip_range)
                     kl = gaussian_mean_kl(mean, ref_mean, std) if with_kl else None
                     per = pl + t.beta * kl if t.beta > 0 else pl

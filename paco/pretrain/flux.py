@@ -414,13 +414,14 @@ def sample(policy: Any, items: Sequence[_Item], height: int, width: int, *, num_
         per item, its ``seeds`` RGB images.
     """
     from paco.core.seeding import stable_seed
+    from paco.grpo.sde import ODE
 
     out = []
     for item in items:
         cond = policy.condition([item], height, width)
         gens = [torch.Generator().manual_seed(stable_seed(seed, "final", item.prompt_id, k)) for k in range(seeds)]
         roll = policy.generate(cond.select([0] * seeds), height=height, width=width, num_steps=num_steps,
-                               noise_level=0.0, sde_indices=[], noise_generators=gens)
+                               sde=ODE, sde_indices=[], noise_generators=gens)
         out.append(policy.decode(roll.final_latents, height, width))
     return out
 

@@ -15,16 +15,18 @@ The interface and the shared sampling live in :mod:`paco.grpo.policies.base`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from paco.core.params import PolicyLoraParams
 from paco.grpo.policies.base import (
     OLD_ADAPTER,
     TRAINED_ADAPTER,
     Conditioning,
     Policy,
-    Rollout,
+    TrajectoryBatch,
+    Transitions,
     grid_size,
 )
 from paco.grpo.policies.flux import FluxKontextPolicy, FluxPolicy
@@ -33,8 +35,26 @@ from paco.grpo.policies.qwen_image import QwenImageEditPolicy
 #: family name -> policy class
 FAMILIES: dict[str, type[Policy]] = {cls.family: cls for cls in (FluxPolicy, FluxKontextPolicy, QwenImageEditPolicy)}
 
-__all__ = ["FAMILIES", "OLD_ADAPTER", "TRAINED_ADAPTER", "Conditioning", "FluxKontextPolicy", "FluxPolicy",
-           "Policy", "QwenImageEditPolicy", "Rollout", "grid_size", "load_policy", "policy_class"]
+__all__ = ["FAMILIES", "OLD_ADAPTER", "TRAINED_ADAPTER", "Conditioning", "FluxKontextPolicy", "FluxPolicy", "Policy",
+           "PolicySettings", "QwenImageEditPolicy", "TrajectoryBatch", "Transitions", "grid_size", "load_policy",
+           "policy_class"]
+
+
+class PolicySettings(Protocol):
+    """The sampling options a policy family's constructor takes from the params (the union of the
+    families' ``option_keys``). ``grpo.<subtask>.rollout`` (:class:`paco.core.params.grpo.RolloutParams`)
+    and ``final_samples.<subtask>`` (:class:`paco.core.params.grpo.FinalSamplesParams`) have them
+    all; an object with only the chosen family's options (e.g. a ``types.SimpleNamespace``) is
+    enough for :func:`load_policy`."""
+
+    #: ``flux``, ``flux_kontext``: T5 prompt tokens, ``<= 512``
+    max_sequence_length: int
+    #: ``flux``, ``flux_kontext``: the guidance embedding's scale; ``qwen_image_edit``: true CFG's scale
+    guidance_scale: float
+    #: editing families: ``"keep"`` or ``"square"`` (:meth:`Policy.set_reference_aspect`)
+    reference_aspect: str
+    #: ``qwen_image_edit``: the negative prompt of true CFG (``None``: no guidance)
+    negative_prompt: str | None
 
 
 def policy_class(family: str) -> type[Policy]:
@@ -48,15 +68,17 @@ def policy_class(family: str) -> type[Policy]:
     return FAMILIES[family]
 
 
-def load_policy(family: str, model_dir: str | Path, lora: Any | None, settings: Any, *, seed: int = 0,
-                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Policy:
+def load_policy(family: str, model_dir: str | Path, lora: PolicyLoraParams | None, settings: PolicySettings, *,
+                seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Policy:
     """Load ``model_dir`` as ``family``'s diffusers pipeline (:func:`paco.models.loading.load_pipeline`),
     move it to ``device`` and wrap it with ``lora`` adapters (``None``: none).
 
     Args:
-        settings: an object whose attributes named in the family's ``option_keys`` (e.g.
-            ``max_sequence_length``, ``guidance_scale``, ``reference_aspect``) are the
-            constructor's options: ``grpo.<subtask>.rollout`` or ``final_samples.<subtask>``.
+        lora: ``grpo.<subtask>.lora`` (:class:`paco.core.params.grpo.PolicyLoraParams`: ``rank``,
+            ``alpha``, ``dropout``, ``target_modules``), or ``None``.
+        settings: the constructor's options (:class:`PolicySettings`): ``grpo.<subtask>.rollout``
+            or ``final_samples.<subtask>``; only the attributes in the family's ``option_keys`` are
+            read.
         seed: seeds the LoRA init.
 
     Raises:

@@ -21,7 +21,8 @@ sigma *schedule* (:meth:`Policy.schedule`) and how latents are *decoded* to imag
   deterministic Euler step (the same function with ``a = 0``, exactly
   ``FlowMatchEulerDiscreteScheduler.step``); the latents before and after each SDE step are kept
   with the step's log-prob;
-* re-scoring a kept transition under the active adapter (:meth:`Policy.transition_log_prob`);
+* re-scoring kept transitions under the active adapter (:meth:`Policy.transition_log_prob`), with
+  the SDE settings recorded when they were sampled (:class:`Transitions`);
 * the LoRA in diffusers' layout, saved with the pipeline class's own ``save_lora_weights``.
 
 A new diffusers pipeline family is one subclass (see :mod:`paco.grpo.policies.flux`) and one
@@ -41,7 +42,7 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
-from paco.grpo.sde import flux_sigmas, sde_step
+from paco.grpo.sde import SdeSettings, flux_sigmas, sde_step
 
 TRAINED_ADAPTER = "default"
 OLD_ADAPTER = "old"
@@ -109,9 +110,29 @@ class Conditioning:
         return Conditioning({k: torch.cat(rows(k)) for k in first.rows}, dict(first.shared), dict(first.pad))
 
 
+@dataclass(frozen=True)
+class Transitions:
+    """A batch of kept SDE transitions ``x -> x_next`` of one step, with the settings they were
+    sampled with (what :meth:`Policy.transition_log_prob` re-scores them under).
+
+    Attributes:
+        x, x_next: ``(B, seq, C)`` float32 latents before and after the step.
+        sigma, sigma_next: the step's noise levels, 0-d float32 (one step of one schedule).
+        timestep: 0-d float32, the conditioning value of the step (the scheduler's 0-1000 scale).
+        sde: the :class:`paco.grpo.sde.SdeSettings` the transitions were sampled with.
+    """
+
+    x: torch.Tensor
+    x_next: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    timestep: torch.Tensor
+    sde: SdeSettings
+
+
 @dataclass
-class Rollout:
-    """A batch of sampled trajectories (one resolution).
+class TrajectoryBatch:
+    """A batch of sampled trajectories (one resolution), what :meth:`Policy.generate` returns.
 
     Attributes:
         final_latents: ``(B, seq, C)`` packed clean latents (decode with :meth:`Policy.decode`).
@@ -121,7 +142,7 @@ class Rollout:
             policy (at sampling time).
         sigmas: ``(N + 1,)`` float32 noise levels, ``timesteps``: ``(N,)`` conditioning values.
         height, width: image size in pixels.
-        noise_level: the SDE noise level ``a`` used.
+        sde: the SDE settings the batch was sampled with (its transitions are re-scored with them).
     """
 
     final_latents: torch.Tensor
@@ -132,7 +153,14 @@ class Rollout:
     timesteps: torch.Tensor
     height: int
     width: int
-    noise_level: float
+    sde: SdeSettings
+
+    def transitions(self, j: int) -> Transitions:
+        """The batch's ``j``-th kept SDE step (``0 <= j < n_sde``, step ``sde_indices[j]``) as
+        :class:`Transitions`, on the latents' device."""
+        step = self.sde_indices[j]
+        return Transitions(self.latents[:, j, 0], self.latents[:, j, 1], self.sigmas[step], self.sigmas[step + 1],
+                           self.timesteps[step], self.sde)
 
 
 class Policy(abc.ABC):
@@ -371,30 +399,27 @@ class Policy(abc.ABC):
             raise ValueError(f"height and width must be positive multiples of {m}, got {height}x{width}")
 
     @torch.no_grad()
-    def generate(self, cond: Conditioning, *, height: int, width: int, num_steps: int, noise_level: float,
+    def generate(self, cond: Conditioning, *, height: int, width: int, num_steps: int, sde: SdeSettings,
                  sde_indices: Sequence[int], noise_generators: Sequence[torch.Generator],
-                 sde_generators: Sequence[torch.Generator] | None = None,
-                 sigma_max: float | str = "schedule") -> Rollout:
+                 sde_generators: Sequence[torch.Generator] | None = None) -> TrajectoryBatch:
         """Denoise one trajectory per row of ``cond`` with the active adapter: ODE steps, and SDE
-        steps at ``sde_indices`` (a GRPO rollout; with ``noise_level`` 0 or no SDE step, an ODE
-        sample).
+        steps at ``sde_indices`` (a GRPO rollout; with :data:`paco.grpo.sde.ODE` or no SDE step,
+        an ODE sample).
 
         Args:
             cond: conditioning of ``B`` rows made for ``height x width``.
             height, width: pixels, multiples of :attr:`size_multiple`.
             num_steps: ``N`` denoising steps.
-            noise_level: ``a`` of the SDE steps (0: every step is the ODE step).
+            sde: the SDE steps' noise level ``a`` and ``sigma_max`` (``sigma_max`` is used only by
+                an SDE step at index 0, see :func:`paco.grpo.sde.sde_step`); recorded on the result.
             sde_indices: step indices in ``[0, N)`` that take the SDE step.
             noise_generators: ``B`` CPU generators for the initial noise (one per row, so a row's
                 sample does not depend on its batch).
             sde_generators: ``B`` generators for the SDE noise (default: ``noise_generators``,
                 continuing their streams).
-            sigma_max: ``"schedule"`` (the released code: the schedule's second sigma) or a
-                number in ``(0, 1)``; used only by an SDE step at index 0 (see
-                :func:`paco.grpo.sde.sde_step`).
 
         Returns:
-            A :class:`Rollout`.
+            A :class:`TrajectoryBatch` (its ``sde`` is ``sde``).
 
         Raises:
             ValueError: a size that is not a multiple of :attr:`size_multiple`, an SDE index
@@ -402,9 +427,9 @@ class Policy(abc.ABC):
         """
         B = cond.batch
         self.check_size(height, width)
-        sde = tuple(sorted(set(int(i) for i in sde_indices)))
-        if any(not 0 <= i < num_steps for i in sde):
-            raise ValueError(f"sde_indices {sde} outside [0, {num_steps})")
+        sde_steps = tuple(sorted(set(int(i) for i in sde_indices)))
+        if any(not 0 <= i < num_steps for i in sde_steps):
+            raise ValueError(f"sde_indices {sde_steps} outside [0, {num_steps})")
         if len(noise_generators) != B or (sde_generators is not None and len(sde_generators) != B):
             raise ValueError(f"need {B} generators per stream")
         sde_generators = list(sde_generators) if sde_generators is not None else list(noise_generators)
@@ -414,34 +439,37 @@ class Policy(abc.ABC):
         for i in range(num_steps):
             t = timesteps[i].expand(B).to(self.device)
             v = self.velocity(latents, t, cond)
-            a = noise_level if i in sde else 0.0
+            a = sde.noise_level if i in sde_steps else 0.0
             nxt, logp, _, _ = sde_step(v, latents, sigmas[i], sigmas[i + 1], a, generator=sde_generators,
-                                       sigma_max=sigma_max)
-            if i in sde:
+                                       sigma_max=sde.sigma_max)
+            if i in sde_steps:
                 kept.append(torch.stack([latents.float(), nxt], dim=1))
                 logps.append(logp)
             latents = nxt
         seq, c = latents.shape[1], latents.shape[2]
-        return Rollout(
+        return TrajectoryBatch(
             final_latents=latents,
-            sde_indices=sde,
+            sde_indices=sde_steps,
             latents=torch.stack(kept, dim=1) if kept else torch.zeros(B, 0, 2, seq, c),
             log_probs=torch.stack(logps, dim=1) if logps else torch.zeros(B, 0),
-            sigmas=sigmas, timesteps=timesteps, height=int(height), width=int(width), noise_level=float(noise_level),
+            sigmas=sigmas, timesteps=timesteps, height=int(height), width=int(width), sde=sde,
         )
 
-    def transition_log_prob(self, x: torch.Tensor, x_next: torch.Tensor, sigma: torch.Tensor,
-                            sigma_next: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
-                            noise_level: float, sigma_max: float | str = "schedule"
+    def transition_log_prob(self, steps: Transitions, cond: Conditioning
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-prob of the transitions ``x -> x_next`` (``(B, seq, C)``) under the active adapter
-        (with grad if enabled): ``(log_prob (B,), mean (B, seq, C), std (B, 1, 1))``, all
-        float32. ``cond`` must be made for the transitions' image size; ``sigma_max`` must be the
-        value the transition was sampled with (``"schedule"`` needs no schedule here: a step from
-        ``sigma = 1`` uses its ``sigma_next``, :func:`paco.grpo.sde.sde_step`)."""
-        B = x.shape[0]
-        v = self.velocity(x, timestep.expand(B).to(self.device), cond)
-        _, logp, mean, std = sde_step(v, x, sigma, sigma_next, noise_level, next_latents=x_next, sigma_max=sigma_max)
+        """Log-prob of the transitions ``steps.x -> steps.x_next`` (``(B, seq, C)``) under the
+        active adapter (with grad if enabled), with the SDE settings they were sampled with
+        (``steps.sde``; there is no other way to pass them): ``(log_prob (B,), mean (B, seq, C),
+        std (B, 1, 1))``, all float32. ``cond`` must be made for the transitions' image size.
+
+        Raises:
+            ValueError: a transition whose std is 0 (sampled at noise level 0,
+                :func:`paco.grpo.sde.sde_step`).
+        """
+        B = steps.x.shape[0]
+        v = self.velocity(steps.x, steps.timestep.expand(B).to(self.device), cond)
+        _, logp, mean, std = sde_step(v, steps.x, steps.sigma, steps.sigma_next, steps.sde.noise_level,
+                                      next_latents=steps.x_next, sigma_max=steps.sde.sigma_max)
         return logp, mean, std
 
 
