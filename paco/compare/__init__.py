@@ -16,7 +16,7 @@ Two commands (console script ``paco-compare``, or ``python -m paco.compare``):
     from the DVC cache at its revision (``dvc.api.open``) and writes ``DIR/report.md`` (headline
     metrics, differences to the baseline, their significance) and PNG figures.
 
-The ablations (paper sections as in ``README.md``):
+The ablations (paper sections as in docs/running.md, "The paper's ablations"):
 
 =====================  ============================================================  =========
 name                   what differs from the baseline                                question
