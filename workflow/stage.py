@@ -22,15 +22,15 @@ from workflow.code_deps import code_closure
 PARAMS_FILE = "params.yaml"
 #: the model roles every run needs; ``models:`` may name more (:func:`model_roles`)
 MODEL_ROLES = ("judge_base", "policy_t2is", "clip", "pickscore")
-#: keys of the ``models`` section that are settings, not roles
-_MODELS_SETTINGS = ("seed", "revision", "allow_patterns", "processor_from")
+#: keys of the ``models`` section that are settings, not roles (``paco.core.params.ModelsParams``)
+MODELS_SETTINGS = frozenset({"seed", "revision", "allow_patterns", "processor_from"})
 
 
 def model_roles(config: Mapping[str, Any]) -> tuple[str, ...]:
     """The model roles under ``config``: :data:`MODEL_ROLES`, then every further key of
     ``models:`` in name order (as ``paco.core.params.ModelsParams.roles``)."""
     models = config.get("models") or {}
-    extra = sorted(k for k in models if k not in MODEL_ROLES and k not in _MODELS_SETTINGS)
+    extra = sorted(k for k in models if k not in MODEL_ROLES and k not in MODELS_SETTINGS)
     return MODEL_ROLES + tuple(extra)
 
 
