@@ -19,22 +19,16 @@ panel rewards). Writes the LoRA (diffusers format), resumable checkpoints, ``plo
 
 from __future__ import annotations
 
-import os
+import argparse
+import logging
+import sys
+from pathlib import Path
 
-# Tiny CPU models run many small ops: idle OpenMP threads must sleep, not spin, or they starve
-# the judge server sharing the cores (set before torch is imported).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from paco.core.io import ArtifactError, read_parquet  # noqa: E402
-from paco.core.distributed import make_accelerator  # noqa: E402
-from paco.serving.endpoint import judge_endpoint  # noqa: E402
-from paco.core.params import Params  # noqa: E402
-from paco.core.stage import StageOutput, log, run, subtask_params  # noqa: E402
+from paco.core.io import ArtifactError, read_parquet
+from paco.core.distributed import make_accelerator
+from paco.serving.endpoint import judge_endpoint
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run, subtask_params
 
 
 def _args(p: argparse.ArgumentParser) -> None:
