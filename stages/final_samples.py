@@ -87,8 +87,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     except (JudgeError, RewardError) as exc:
         raise ArtifactError(f"final_samples@{args.subtask}: {exc}") from exc
     if not accelerator.is_main_process:
-        args.metrics = None
-        return {}
+        return StageOutput.nothing()
     write_parquet(args.out, table, image_columns=["image"], image_list_columns=["panels"])
     tmp = args.sheets.with_name(f".{args.sheets.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -80,16 +80,14 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     report["judge"] = {"url": endpoint.url or f"local {endpoint.server.engine} server",
                        "model": endpoint.served_model_name, "requests": ctx.judge.requests,
                        "server_restarts": restarts}
-    if not accelerator.is_main_process:
-        args.metrics = None
-    else:
+    if accelerator.is_main_process:
         sig = report["learning_signal"]
         log.info("grpo@%s: train reward %.4f (first %d epochs) -> %.4f (last %d), higher on %s of %s prompts, "
                  "paired p=%s; eval reward %.4f -> %.4f",
                  args.subtask, sig["first_epochs_reward"], sig["window_epochs"], sig["last_epochs_reward"],
                  sig["window_epochs"], sig.get("prompts_improved"), sig.get("prompts_paired"), sig.get("p_value"),
                  report["eval_first"].get("reward", float("nan")), report["eval_final"].get("reward", float("nan")))
-    return StageOutput(out["metrics"], report)
+    return StageOutput(out["metrics"], report, writes=accelerator.is_main_process)
 
 
 def main(argv: list[str] | None = None) -> int:

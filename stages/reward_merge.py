@@ -89,8 +89,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         reloaded = check_scores(Judge.from_pretrained(tmp, dtype=dtype, device=procs.device))
         procs.barrier()  # everyone has read the save before it moves
         if not procs.is_main:
-            args.metrics = None  # the main process moves the model into place and writes the metrics
-            return StageOutput({})
+            return StageOutput.nothing()  # the main process moves the model into place and writes the metrics
         diffs = {
             "merged_vs_unmerged": max(abs(a - b) for a, b in zip(unmerged, merged, strict=True)),
             "reloaded_vs_unmerged": max(abs(a - b) for a, b in zip(unmerged, reloaded, strict=True)),

@@ -96,11 +96,25 @@ def test_a_failed_run_leaves_no_previous_report(tmp_path, params, monkeypatch, f
     report.write_text("{}")
     monkeypatch.setenv("RANK", "1")
 
-    def worker(a, p):
-        a.metrics = None  # a worker writes nothing
-        return {"n": 1}
+    assert _run(tmp_path, lambda a, p: StageOutput.nothing()) == 0 and report.read_text() == "{}"
 
-    assert _run(tmp_path, worker) == 0 and report.read_text() == "{}"
+
+def test_only_the_process_whose_output_says_so_writes(tmp_path, params, monkeypatch):
+    """A stage body returns whether its process writes (the main one) in its output, not through
+    ``args``: a worker's output, even with figures and at launcher ``RANK`` 0, writes nothing."""
+    monkeypatch.delenv("RANK", raising=False)
+    metrics = tmp_path / "out" / "metrics.json"
+    seen = []
+
+    def worker(a, p):
+        seen.append(a)
+        return StageOutput({"n": 2}, {"detail": 1}, writes=False)
+
+    assert _run(tmp_path, worker) == 0 and not metrics.exists() and not (tmp_path / "out" / "report.json").exists()
+    assert seen[0].metrics == str(metrics)
+    assert _run(tmp_path, lambda a, p: StageOutput({"n": 3}, {"detail": 1}, writes=True)) == 0
+    assert json.loads(metrics.read_text()) == {"n": 3}
+    assert _run(tmp_path, lambda a, p: StageOutput.nothing()) == 0 and json.loads(metrics.read_text()) == {"n": 3}
 
 
 def test_a_bug_is_not_hidden(tmp_path, params):
