@@ -269,7 +269,7 @@ def stage_identity(member: StageMember, params_path: str | os.PathLike[str], *, 
 def stage_identity_on_main(member: StageMember, args: Any, params: Any, accelerator: Any) -> RunIdentity:
     """:func:`stage_identity` computed by the main process only (hashing model directories once,
     not once per process) and broadcast to the others (``accelerate``)."""
-    from paco.core.stage import broadcast_from_main
+    from paco.core.distributed import broadcast_from_main
 
     identity = stage_identity(member, args.params, params=params, args=args) if accelerator.is_main_process else None
     return broadcast_from_main(accelerator, identity)

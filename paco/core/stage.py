@@ -81,18 +81,6 @@ def cpu_threads_per_process(local_processes: int) -> int:
     return max(1, cores // max(1, local_processes))
 
 
-def broadcast_from_main(accelerator: Any, obj: Any) -> Any:
-    """``obj`` of the main process, on every process (``accelerate``'s ``broadcast_object_list``;
-    with no accelerator or one process, ``obj`` itself)."""
-    if accelerator is None or accelerator.num_processes == 1:
-        return obj
-    from accelerate.utils import broadcast_object_list
-
-    box = [obj]
-    broadcast_object_list(box, from_process=0)
-    return box[0]
-
-
 def hub_offline() -> bool:
     """Whether this process runs with the Hugging Face hub off: ``huggingface_hub``'s
     ``HF_HUB_OFFLINE`` constant when the module is loaded (it reads the environment once, at

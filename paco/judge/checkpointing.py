@@ -27,7 +27,7 @@ import torch
 
 from paco.core import checkpoints as ckpt
 from paco.core.io import write_json
-from paco.core.stage import broadcast_from_main
+from paco.core.distributed import broadcast_from_main
 from paco.judge.run import RewardRun, RewardState
 
 # the judge training's logger (its checkpoint lines read as the training's)
