@@ -24,13 +24,11 @@ nothing here asserts on speed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import stages  # noqa: E402,F401  a stage process's set-up before numpy loads: fixed numerics env, hub offline
 

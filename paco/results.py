@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from paco.core.dotted import get_dotted
+
 #: the judges ``reward_eval`` scores, as the page names them
 JUDGES = (("paco_reward", "PaCo-Reward (trained)"), ("base_zero_shot", "base judge, zero-shot"),
           ("clip_i", "CLIP-I"))
@@ -49,12 +51,10 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _get(doc: Mapping[str, Any], dotted: str, path: Path) -> Any:
-    node: Any = doc
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            raise ResultsError(f"{path}: no {dotted!r}")
-        node = node[part]
-    return node
+    try:
+        return get_dotted(doc, dotted)
+    except KeyError:
+        raise ResultsError(f"{path}: no {dotted!r}") from None
 
 
 def fmt(x: Any, digits: int = 3) -> str:

@@ -55,8 +55,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     conversions: dict = {}
     procs = launched_processes()
     if not procs.is_main and cfg.source != "generate":
-        args.metrics = None  # photos / import: the main process does everything
-        return StageOutput({})
+        return StageOutput.nothing()  # photos / import: the main process does everything
     if cfg.source == "photos":
         from paco.data.photos import render_composites
 
@@ -76,8 +75,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         if procs.world > 1:
             df = _assemble(df, prompts, cfg, procs, args.out)
             if df is None:
-                args.metrics = None  # the main process writes the table and the metrics
-                return StageOutput({})
+                return StageOutput.nothing()  # the main process writes the table and the metrics
     else:
         import_cfg = cfg.import_.model_copy(update={"dir": str(args.import_dir)})
         layouts = {pid: (int(r), int(c)) for pid, r, c in zip(prompts["prompt_id"], prompts["rows"], prompts["cols"])}

@@ -19,22 +19,19 @@ the grid, its panels, their boxes, every reward), ``sheets/base.png`` and ``shee
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
+import shutil
+import sys
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see stages/grpo.py
-
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from paco.core.checkpoints import replace_dir  # noqa: E402
-from paco.core.io import ArtifactError, encode_image, read_parquet, write_parquet  # noqa: E402
-from paco.core.params import Params  # noqa: E402
-from paco.core.distributed import make_accelerator  # noqa: E402
-from paco.core.stage import StageOutput, log, run, subtask_params  # noqa: E402
-from paco.serving.endpoint import judge_endpoint  # noqa: E402
+from paco.core.checkpoints import replace_dir
+from paco.core.io import ArtifactError, encode_image, read_parquet, write_parquet
+from paco.core.params import Params
+from paco.core.distributed import make_accelerator
+from paco.core.stage import StageOutput, log, run, subtask_params
+from paco.serving.endpoint import judge_endpoint
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -92,8 +89,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     except (JudgeError, RewardError) as exc:
         raise ArtifactError(f"final_samples@{args.subtask}: {exc}") from exc
     if not accelerator.is_main_process:
-        args.metrics = None
-        return {}
+        return StageOutput.nothing()
     write_parquet(args.out, table, image_columns=["image"], image_list_columns=["panels"])
     tmp = args.sheets.with_name(f".{args.sheets.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

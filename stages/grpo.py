@@ -21,22 +21,16 @@ panel rewards). Writes the LoRA (diffusers format), resumable checkpoints, ``plo
 
 from __future__ import annotations
 
-import os
+import argparse
+import logging
+import sys
+from pathlib import Path
 
-# Tiny CPU models run many small ops: idle OpenMP threads must sleep, not spin, or they starve
-# the judge server sharing the cores (set before torch is imported).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from paco.core.io import ArtifactError, read_parquet  # noqa: E402
-from paco.core.distributed import make_accelerator  # noqa: E402
-from paco.serving.endpoint import judge_endpoint  # noqa: E402
-from paco.core.params import Params  # noqa: E402
-from paco.core.stage import StageOutput, log, run, subtask_params  # noqa: E402
+from paco.core.io import ArtifactError, read_parquet
+from paco.core.distributed import make_accelerator
+from paco.serving.endpoint import judge_endpoint
+from paco.core.params import Params
+from paco.core.stage import StageOutput, log, run, subtask_params
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -88,16 +82,14 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     report["judge"] = {"url": endpoint.url or f"local {endpoint.server.engine} server",
                        "model": endpoint.served_model_name, "requests": ctx.judge.requests,
                        "server_restarts": restarts}
-    if not accelerator.is_main_process:
-        args.metrics = None
-    else:
+    if accelerator.is_main_process:
         sig = report["learning_signal"]
         log.info("grpo@%s: train reward %.4f (first %d epochs) -> %.4f (last %d), higher on %s of %s prompts, "
                  "paired p=%s; eval reward %.4f -> %.4f",
                  args.subtask, sig["first_epochs_reward"], sig["window_epochs"], sig["last_epochs_reward"],
                  sig["window_epochs"], sig.get("prompts_improved"), sig.get("prompts_paired"), sig.get("p_value"),
                  report["eval_first"].get("reward", float("nan")), report["eval_final"].get("reward", float("nan")))
-    return StageOutput(out["metrics"], report)
+    return StageOutput(out["metrics"], report, writes=accelerator.is_main_process)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,8 +87,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
     log.info("process %d/%d explained %d chunks", procs.rank + 1, procs.world, explained)
     procs.barrier()
     if not procs.is_main:
-        args.metrics = None  # the main process writes the table and the metrics
-        return StageOutput({})
+        return StageOutput.nothing()  # the main process writes the table and the metrics
     sft = R.assemble_sft(table, teacher, args.progress, chunk_size=cfg.chunk_size)
     imported = None
     if cfg.sft_import.enabled:

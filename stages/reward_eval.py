@@ -152,10 +152,8 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     for name, m in metrics["judges"].items():
         log.info("%-15s accuracy %.3f  tau %.3f  top1-bottom1 %.3f  (p vs chance %.2g)", name, m["accuracy"],
                  m["kendall_tau"], m["top1_bottom1"], m["accuracy_vs_chance"].get("p_value", float("nan")))
-    if procs.is_main:
+    if procs.is_main:  # the main process writes the predictions and the metrics
         write_parquet(args.predictions, pd.concat(preds.values(), ignore_index=True))
-    else:
-        args.metrics = None  # the main process writes the predictions and the metrics
     # metrics.json: the ConsistencyRank figures of paper Table 2 per judge, and the trained judge's
     # accuracy gain over each baseline with its p-value; everything else in report.json
     headline = {
@@ -167,7 +165,7 @@ def _body(args: argparse.Namespace, params: Params) -> dict:
     if "editing" in metrics:
         headline["editing"] = {name: {d: a["accuracy"] for d, a in acc.items()}
                                for name, acc in metrics["editing"]["judges"].items()}
-    return StageOutput(headline, metrics)
+    return StageOutput(headline, metrics, writes=procs.is_main)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from paco.core.distributed import launched_processes, shard_batches
+from paco.core.distributed import broadcast_from_main, launched_processes, shard_batches
 from paco.core.io import ArtifactError, decode_image, read_parquet
 from paco.core.params import Params
 from paco.core.stage import StageOutput, log, run
@@ -75,12 +75,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent)) if procs.is_main else None
-    if procs.world > 1:  # every process reloads the main process's save
-        from accelerate.utils import broadcast_object_list
-
-        box = [tmp]
-        broadcast_object_list(box, from_process=0)
-        tmp = box[0]
+    tmp = broadcast_from_main(procs.state, tmp)  # every process reloads the main process's save
     try:
         if procs.is_main:
             merged_model.save_pretrained(tmp, safe_serialization=True)
@@ -89,8 +84,7 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         reloaded = check_scores(Judge.from_pretrained(tmp, dtype=dtype, device=procs.device))
         procs.barrier()  # everyone has read the save before it moves
         if not procs.is_main:
-            args.metrics = None  # the main process moves the model into place and writes the metrics
-            return StageOutput({})
+            return StageOutput.nothing()  # the main process moves the model into place and writes the metrics
         diffs = {
             "merged_vs_unmerged": max(abs(a - b) for a, b in zip(unmerged, merged, strict=True)),
             "reloaded_vs_unmerged": max(abs(a - b) for a, b in zip(unmerged, reloaded, strict=True)),

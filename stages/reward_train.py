@@ -56,17 +56,14 @@ def _body(args: argparse.Namespace, params: Params) -> StageOutput:
         accelerator=accelerator,
     )
     report = out["report"]
-    if not accelerator.is_main_process:
-        # paco.core.stage.run writes --metrics after the body returns: only rank 0 may write it
-        args.metrics = None
-    else:
+    if accelerator.is_main_process:
         final = report.get("eval_final", {})
         log.info(
             "reward_train: %d steps, final train loss %.4f, test first-token accuracy %s, P(Yes) accuracy %s",
             report["total_steps"], report["train_loss_final"] or float("nan"),
             final.get("first_token_accuracy"), final.get("p_yes_accuracy"),
         )
-    return StageOutput(out["metrics"], report)
+    return StageOutput(out["metrics"], report, writes=accelerator.is_main_process)
 
 
 def main(argv: list[str] | None = None) -> int:

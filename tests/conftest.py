@@ -10,18 +10,12 @@ from pathlib import Path
 
 import pytest
 
-# the tests run in 2 worker processes on 2 cores (the README's `-n 2`): idle OpenMP threads must
-# sleep, not spin, or a stage's 2 threads wait on a core the other worker holds (reward_train's
-# step took 2.5x as long beside a busy process spinning, 1.07x sleeping). How threads wait does
-# not change how the work is split between them, nor what they compute (reward_train's losses and
-# accuracies were the same either way). Inherited by every stage a test starts.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from paco.core.numerics import require_fixed_numerics  # noqa: E402
+from paco.core.numerics import require_fixed_numerics
 
 # this process computes what stage processes compute (and compares bytes): the same CPU code
-# paths and thread settings as theirs, set before any test imports numpy, scipy or torch (and
-# inherited by every subprocess a test starts)
+# paths and thread settings as theirs (idle OpenMP threads sleeping, as the 2 test workers share
+# the cores), set before any test imports numpy, scipy or torch (and inherited by every
+# subprocess a test starts)
 require_fixed_numerics()
 
 #: role -> tiny spec, as in params.yaml's embedded default (``models:``).

@@ -24,6 +24,7 @@ from paco.compare.experiments import changed_params, exp_show, parse_exp_show, s
 from paco.compare.growth import reward_ratio, standardised_growth
 from paco.compare.report import write_report
 from paco.compare.timings import epoch_seconds
+from paco.core.dotted import set_dotted
 
 pytestmark = pytest.mark.skipif(shutil.which("dvc") is None or shutil.which("git") is None,
                                 reason="needs the dvc and git executables")
@@ -207,11 +208,7 @@ def test_exp_show_errors_name_the_repository(repo, tmp_path):
 def _params_with(**sets) -> dict:
     p = json.loads(json.dumps(PARAMS))
     for k, v in sets.items():
-        node = p
-        *head, last = k.split(".")
-        for h in head:
-            node = node[h]
-        node[last] = v
+        set_dotted(p, k, v)
     return p
 
 

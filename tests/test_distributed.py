@@ -4,16 +4,21 @@ process, and RNG states that restore every global stream."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from paco.core.distributed import gather_objects, get_rng_state, set_rng_state, sum_gradients, wait_for_everyone
+from paco.core.distributed import (Processes, broadcast_from_main, gather_objects, get_rng_state, set_rng_state, set_seed,
+                                   sum_gradients, wait_for_everyone)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_one_process_helpers_are_the_identity():
     objs = [(0, {"r": 1.0})]
     assert gather_objects(None, objs) is objs
+    assert broadcast_from_main(None, objs) is objs and broadcast_from_main(Processes().state, objs) is objs
     p = torch.nn.Parameter(torch.ones(2))
     p.grad = torch.full((2,), 3.0)
     sum_gradients(None, [p])
@@ -27,3 +32,21 @@ def test_rng_state_restores_torch_numpy_and_python():
     set_rng_state(state)
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1]) and first[2] == again[2]
+
+
+def test_set_seed_seeds_torch_numpy_and_python():
+    set_seed(7)
+    first = (torch.rand(3), np.random.rand(3), random.random())
+    torch.rand(5), np.random.rand(5), random.random()
+    set_seed(7)
+    assert torch.equal(first[0], torch.rand(3)) and np.array_equal(first[1], np.random.rand(3))
+    assert first[2] == random.random()
+
+
+def test_accelerates_collectives_are_called_through_these_helpers_only():
+    """``accelerate.utils`` is imported by paco.core.distributed alone: the one-process shortcuts
+    and the picklable boxes live in one place."""
+    found = [f"{path.relative_to(ROOT)}:{n}" for top in ("paco", "stages", "workflow")
+             for path in sorted((ROOT / top).rglob("*.py")) if path != ROOT / "paco/core/distributed.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if "accelerate.utils" in line]
+    assert found == []

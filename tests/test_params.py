@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from paco.core.dotted import set_dotted
 from paco.core.params import Params, ParamsError, load_params, validate_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -423,11 +424,7 @@ def test_released_presets_are_the_paper_preset_with_their_changes(name):
 
     expected = read_params_yaml(ROOT / "workflow/presets/paper.yaml")
     for dotted, value in RELEASED_PRESETS[name].items():
-        *path, last = dotted.split(".")
-        node = expected
-        for key in path:
-            node = node.setdefault(key, {})
-        node[last] = value
+        set_dotted(expected, dotted, value)
     preset = read_params_yaml(ROOT / "workflow/presets" / name)
     assert preset == expected
     params = load_params(ROOT / "workflow/presets" / name)

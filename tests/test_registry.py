@@ -523,3 +523,13 @@ def test_the_benchmarks_laion_predictor_inputs_are_dependencies():
         member["t2is"] = {"prompt_alignment": "none", "aesthetics": "none"}
     deps = registry.render_dvc(config)["stages"]["benchmark"]["do"]["deps"]
     assert t2is["aesthetics_weights"] not in deps
+
+
+def test_the_models_settings_are_the_schemas_keys_that_are_not_roles():
+    """``workflow.stage.MODELS_SETTINGS`` (what the registry skips among ``models:`` keys when it lists roles
+    and local model directories) is the schema's: a setting added to ``ModelsParams`` must be added there."""
+    from paco.core.params import ModelsParams
+    from workflow.stage import MODEL_ROLES, MODELS_SETTINGS
+
+    assert MODELS_SETTINGS == set(ModelsParams.model_fields) - set(ModelsParams().roles())
+    assert not MODELS_SETTINGS & set(MODEL_ROLES)

@@ -96,11 +96,25 @@ def test_a_failed_run_leaves_no_previous_report(tmp_path, params, monkeypatch, f
     report.write_text("{}")
     monkeypatch.setenv("RANK", "1")
 
-    def worker(a, p):
-        a.metrics = None  # a worker writes nothing
-        return {"n": 1}
+    assert _run(tmp_path, lambda a, p: StageOutput.nothing()) == 0 and report.read_text() == "{}"
 
-    assert _run(tmp_path, worker) == 0 and report.read_text() == "{}"
+
+def test_only_the_process_whose_output_says_so_writes(tmp_path, params, monkeypatch):
+    """A stage body returns whether its process writes (the main one) in its output, not through
+    ``args``: a worker's output, even with figures and at launcher ``RANK`` 0, writes nothing."""
+    monkeypatch.delenv("RANK", raising=False)
+    metrics = tmp_path / "out" / "metrics.json"
+    seen = []
+
+    def worker(a, p):
+        seen.append(a)
+        return StageOutput({"n": 2}, {"detail": 1}, writes=False)
+
+    assert _run(tmp_path, worker) == 0 and not metrics.exists() and not (tmp_path / "out" / "report.json").exists()
+    assert seen[0].metrics == str(metrics)
+    assert _run(tmp_path, lambda a, p: StageOutput({"n": 3}, {"detail": 1}, writes=True)) == 0
+    assert json.loads(metrics.read_text()) == {"n": 3}
+    assert _run(tmp_path, lambda a, p: StageOutput.nothing()) == 0 and json.loads(metrics.read_text()) == {"n": 3}
 
 
 def test_a_bug_is_not_hidden(tmp_path, params):
@@ -135,6 +149,20 @@ def test_stage_processes_turn_openmp_dynamic_team_sizes_off(entry, expected):
     assert out == expected
 
 
+def test_stage_processes_let_idle_openmp_threads_sleep():
+    """Every stage process (the stages package, first import of ``python -m stages.<name>``) runs
+    ``OMP_WAIT_POLICY=PASSIVE`` unless the caller chose a policy; the bare interpreter gets none."""
+    code = "import os, sys\nif sys.argv[1] == 'stage':\n    import stages\nprint(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    root = Path(__file__).resolve().parents[1]
+
+    def policy(entry: str, **extra: str) -> str:
+        return subprocess.run([sys.executable, "-c", code, entry], env={**env, **extra}, capture_output=True,
+                              text=True, check=True, cwd=root).stdout.split()[-1]
+
+    assert (policy("stage"), policy("bare"), policy("stage", OMP_WAIT_POLICY="ACTIVE")) == ("PASSIVE", "None", "ACTIVE")
+
+
 def test_fix_numerics_env_pins_the_cpu_paths_only_where_it_is_safe(monkeypatch):
     import paco.core.numerics as numerics
 
@@ -146,15 +174,19 @@ def test_fix_numerics_env_pins_the_cpu_paths_only_where_it_is_safe(monkeypatch):
     monkeypatch.setattr(numerics, "cpu_has_avx2", lambda: True)
     env = {"OMP_DYNAMIC": "true", "MKL_CBWR": "AUTO"}  # a user's own MKL setting is kept, threads are not
     set_now = numerics.fix_numerics_env(env)
-    assert env == {**numerics.FIXED_THREAD_ENV, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+    assert env == {"OMP_DYNAMIC": "false", "MKL_DYNAMIC": "false", "OMP_WAIT_POLICY": "PASSIVE",
+                   "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                    "MKL_CBWR": "AUTO", "NPY_DISABLE_CPU_FEATURES": numerics.numpy_disabled_targets(),
                    "OPENBLAS_CORETYPE": "Haswell"}
     assert "MKL_CBWR" not in set_now and set_now["OMP_DYNAMIC"] == "false"
     assert numerics.fix_numerics_env(env) == {}  # what already has its value is not set again
     monkeypatch.setattr(numerics, "cpu_has_avx2", lambda: False)
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}  # a default: a user's wait policy is kept
+    numerics.fix_numerics_env(env)
+    assert env == {"OMP_DYNAMIC": "false", "MKL_DYNAMIC": "false", "OMP_WAIT_POLICY": "ACTIVE"}
     env = {}
     numerics.fix_numerics_env(env)
-    assert env == numerics.FIXED_THREAD_ENV
+    assert env == {"OMP_DYNAMIC": "false", "MKL_DYNAMIC": "false", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 _SGEMM = """

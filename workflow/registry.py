@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from workflow.code_deps import ROOT
-from workflow.stage import PARAMS_FILE, Dep, Member, Stage
+from workflow.stage import MODELS_SETTINGS, PARAMS_FILE, Dep, Member, Stage
 
 
 def _d(stage: str, name: str) -> str:
@@ -50,14 +50,10 @@ def _local_model_dirs(config: Mapping[str, Any]) -> tuple[str, ...]:
     ``tiny:<name>`` and starts with ``/``, ``.`` or ``~`` or has more than one ``/``
     (:func:`paco.models.fetch.materialise`'s rule; a hub id is ``org/name``)."""
     models = config.get("models") or {}
-    specs = [v for k, v in models.items() if k not in _MODELS_SETTINGS]
+    specs = [v for k, v in models.items() if k not in MODELS_SETTINGS]
     specs += list((models.get("processor_from") or {}).values())
     return tuple(sorted({s for s in specs if isinstance(s, str) and not s.startswith("tiny:")
                          and (s.startswith(("/", ".", "~")) or s.count("/") > 1)}))
-
-
-#: keys of the ``models`` section that are settings, not roles (paco.core.params.models)
-_MODELS_SETTINGS = frozenset({"seed", "revision", "allow_patterns", "processor_from"})
 
 
 STAGES: tuple[Stage, ...] = (

@@ -14,21 +14,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from paco.core.dotted import DottedKeyError, get_dotted
+from paco.core.launch import resources_at
 from paco.core.run_identity import without_keys
 from workflow.code_deps import code_closure
 
 PARAMS_FILE = "params.yaml"
 #: the model roles every run needs; ``models:`` may name more (:func:`model_roles`)
 MODEL_ROLES = ("judge_base", "policy_t2is", "clip", "pickscore")
-#: keys of the ``models`` section that are settings, not roles
-_MODELS_SETTINGS = ("seed", "revision", "allow_patterns", "processor_from")
+#: keys of the ``models`` section that are settings, not roles (``paco.core.params.ModelsParams``)
+MODELS_SETTINGS = frozenset({"seed", "revision", "allow_patterns", "processor_from"})
 
 
 def model_roles(config: Mapping[str, Any]) -> tuple[str, ...]:
     """The model roles under ``config``: :data:`MODEL_ROLES`, then every further key of
     ``models:`` in name order (as ``paco.core.params.ModelsParams.roles``)."""
     models = config.get("models") or {}
-    extra = sorted(k for k in models if k not in MODEL_ROLES and k not in _MODELS_SETTINGS)
+    extra = sorted(k for k in models if k not in MODEL_ROLES and k not in MODELS_SETTINGS)
     return MODEL_ROLES + tuple(extra)
 
 
@@ -47,11 +49,10 @@ class Dep:
     values: tuple[Any, ...]
 
     def active(self, config: Mapping[str, Any]) -> bool:
-        node: Any = config
-        for part in self.key.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                return False
-            node = node[part]
+        try:
+            node = get_dotted(config, self.key)
+        except KeyError:
+            return False
         if isinstance(node, list):
             return any(v in node for v in self.values)
         return node in self.values
@@ -188,13 +189,19 @@ class Stage:
         return tuple(sorted({f for e in (*self.entries, *self.code_of) for f in code_closure(e)}))
 
     @property
+    def resources_block(self) -> str:
+        """The dotted params key of a member's resources block: ``<foreach>.${key}.resources``
+        (a foreach member's own), else ``resources.stages.<name>``."""
+        return f"{self.foreach}.${{key}}.resources" if self.foreach else f"resources.stages.{self.name}"
+
+    @property
     def cmd(self) -> str:
         module = self.module or self.name
         if self.launcher == "accelerate":
             res = "item.resources" if self.foreach else f"resources.stages.{self.name}"
             # the member's resources block by name, not value: the launcher reads its launch-only
             # gpus and nodes from the params file (a value in the command would rerun the stage)
-            block = f"{self.foreach}.${{key}}.resources" if self.foreach else res
+            block = self.resources_block
             # paco.core.launch checks the params first (one clear message, exit code 2), then runs
             # one plain process in place or hands the stage to `accelerate launch`
             launch = (
@@ -239,16 +246,10 @@ class Stage:
                 continue
             if self.foreach and section.startswith(f"{self.foreach}.${{key}}"):
                 rest = section[len(f"{self.foreach}.${{key}}"):].lstrip(".")
-                values = []
-                for item in (config.get(self.foreach) or {}).values():
-                    for part in filter(None, rest.split(".")):
-                        item = item.get(part) if isinstance(item, Mapping) else None
-                    values.append(item)
+                values = [get_dotted(item, rest, None) if rest else item
+                          for item in (config.get(self.foreach) or {}).values()]
             else:
-                node: Any = config
-                for part in section.split("."):
-                    node = node.get(part) if isinstance(node, Mapping) else None
-                values = [node]
+                values = [get_dotted(config, section, None)]
             keys = [_keys_without(v, excluded) for v in values]
             if not keys or any(k is None or k != keys[0] for k in keys):
                 entries.append(section)  # members disagree: track the whole section
@@ -322,14 +323,13 @@ class Member:
         return [path for path in self.deps(config) if path not in gated]
 
     def resources(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        """``resources.default`` updated by the stage's own resources."""
-        res_cfg = config.get("resources", {})
-        res = dict(res_cfg.get("default", {}))
-        if self.key is None:
-            res.update(res_cfg.get("stages", {}).get(self.stage.name, {}))
-        else:
-            res.update((self.item or {}).get("resources", {}))
-        return res
+        """``resources.default`` updated by the member's own resources block
+        (:attr:`Stage.resources_block`), as the launcher reads them
+        (:func:`paco.core.launch.resources_at`).
+
+        Raises:
+            paco.core.launch.LaunchError: a block that is not a mapping."""
+        return resources_at(config, self.resolve(self.stage.resources_block, {}))
 
     def params_sections(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """Declared params keys (dotted) -> their values: a change of any reruns the member."""
@@ -337,9 +337,7 @@ class Member:
             return dict(config)
         out = {}
         for key in self.stage.params:
-            node: Any = config
-            for part in self.resolve(key, {}).split("."):
-                node = node.get(part) if isinstance(node, Mapping) else None
+            node = get_dotted(config, self.resolve(key, {}), None)
             # launch-only keys (resources) rerun nothing, as in dvc.yaml (Stage.params_entries)
             excluded = [k[len(key) + 1:] for k in self.stage.launch if k.startswith(key + ".")]
             out[self.resolve(key, {})] = without_keys(node, excluded) if excluded else node
@@ -356,14 +354,11 @@ def interpolate(text: str, config: Mapping[str, Any], *, keep_unknown: bool = Fa
     """
 
     def value(match: re.Match[str]) -> str:
-        node: Any = config
-        parts = match[1].split(".")
-        if keep_unknown and parts[0] not in config:
+        if keep_unknown and match[1].split(".")[0] not in config:
             return match[0]
-        for key in parts:
-            if not isinstance(node, Mapping) or key not in node:
-                raise KeyError(f"{match[0]}: {key!r} not in params")
-            node = node[key]
-        return str(node)
+        try:
+            return str(get_dotted(config, match[1]))
+        except DottedKeyError as exc:
+            raise KeyError(f"{match[0]}: {exc.part!r} not in params") from None
 
     return _PLACEHOLDER.sub(value, text)

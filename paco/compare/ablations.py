@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from paco.compare.errors import CompareError, MissingMetricError
+from paco.core.dotted import DottedKeyError, get_dotted
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,10 @@ class Ablation:
 
 
 def _get(params: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = params
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            raise MissingMetricError(f"params: no key {dotted!r} (missing {part!r})")
-        node = node[part]
-    return node
+    try:
+        return get_dotted(params, dotted)
+    except DottedKeyError as exc:
+        raise MissingMetricError(f"params: no key {dotted!r} (missing {exc.part!r})") from None
 
 
 def _resolution(params: Mapping[str, Any], subtask: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from paco.compare.errors import CompareError, MissingMetricError
+from paco.core.dotted import get_dotted
 
 
 @dataclass
@@ -41,12 +42,10 @@ class Experiment:
         if path not in self.metrics:
             raise MissingMetricError(f"experiment {self.name!r} ({self.rev[:7]}): no metrics file {path} "
                                      f"(has {sorted(self.metrics)})")
-        node: Any = self.metrics[path]
-        for part in key.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                raise MissingMetricError(f"experiment {self.name!r} ({self.rev[:7]}): metric {path}:{key} missing")
-            node = node[part]
-        return node
+        try:
+            return get_dotted(self.metrics[path], key)
+        except KeyError:
+            raise MissingMetricError(f"experiment {self.name!r} ({self.rev[:7]}): metric {path}:{key} missing") from None
 
     def param(self, key: str) -> Any:
         if key not in self.params:

@@ -10,8 +10,10 @@ is initialised.
 
 The training stages' helpers take an ``accelerate.Accelerator`` (or ``None``: one process) and
 are the identity for one process: :func:`make_accelerator`, :func:`gather_objects`,
-:func:`wait_for_everyone`, :func:`sum_gradients`, and this process's RNG states
-(:func:`get_rng_state`, :func:`set_rng_state`) for resumable checkpoints.
+:func:`broadcast_from_main`, :func:`wait_for_everyone`, :func:`sum_gradients`, the seeding of
+every generator (:func:`set_seed`), and this process's RNG states (:func:`get_rng_state`,
+:func:`set_rng_state`) for resumable checkpoints. Every call of ``accelerate``'s collectives goes
+through these helpers.
 """
 
 from __future__ import annotations
@@ -172,6 +174,29 @@ def gather_objects(accelerator: Any, objs: list) -> list:
     from accelerate.utils import gather_object
 
     return gather_object(objs)
+
+
+def broadcast_from_main(accelerator: Any, obj: Any) -> Any:
+    """``obj`` of the main process, on every process (``accelerate.utils.broadcast_object_list``;
+    ``obj`` must be picklable). ``accelerator``: an ``accelerate.Accelerator`` or ``PartialState``
+    (:attr:`Processes.state`); with ``None`` or one process, ``obj`` itself. Collective: every
+    process must call it."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    box = [obj]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python's ``random``, numpy's global generator and torch's (CPU and every CUDA device)
+    with ``seed`` (``accelerate.utils.set_seed``, without its per-process offset), the same on
+    every process."""
+    from accelerate.utils import set_seed as accelerate_set_seed
+
+    accelerate_set_seed(seed)
 
 
 def wait_for_everyone(accelerator: Any) -> None:

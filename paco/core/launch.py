@@ -71,6 +71,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from paco.core.dotted import get_dotted
 from paco.core.numerics import fix_numerics_env
 
 #: accelerate config ``distributed_type`` values whose one local process is a plain process.
@@ -235,27 +236,37 @@ def split_gpus(gpus: list[str], n: int) -> tuple[list[str], list[str]]:
     return list(gpus[:n]), list(gpus[n:])
 
 
-def member_resources(params_file: str, key: str) -> dict[str, Any]:
-    """The resources of the stage member whose block is at the dotted ``key`` of the params file
-    (``resources.stages.composites``, ``grpo.t2is.resources``): ``resources.default`` updated by
-    that block, read from the file as written, as ``workflow.stage.Member.resources`` gives them to
-    the Snakefile's job (so ``gpus`` and ``nodes`` are what SLURM was asked for). A block the file
-    does not write is empty (the defaults apply).
+def resources_at(config: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """The resources of the stage member whose block is at the dotted ``key`` of the params
+    ``config`` as written (``resources.stages.composites``, ``grpo.t2is.resources``):
+    ``resources.default`` updated by that block. A block the params do not write is empty (the
+    defaults apply). The one rule for both the Snakefile's job (``workflow.stage.Member.resources``:
+    what SLURM is asked for) and the launcher (:func:`member_resources`: the ``gpus`` and ``nodes``
+    it places the processes on).
 
     Raises:
-        LaunchError: ``key`` reaches a value that is not a mapping.
+        LaunchError: ``key`` or ``resources.default`` holds a value that is not a mapping.
+    """
+    node = get_dotted(config, key, None)
+    default = get_dotted(config, "resources.default", None) or {}
+    if not isinstance(node or {}, Mapping) or not isinstance(default, Mapping):
+        raise LaunchError(f"{key}: the params hold no resources mapping there")
+    return {**default, **(node or {})}
+
+
+def member_resources(params_file: str, key: str) -> dict[str, Any]:
+    """:func:`resources_at` of the params file ``params_file`` (read as written).
+
+    Raises:
+        LaunchError: ``key`` reaches a value that is not a mapping (names the file).
         paco.core.params.ParamsError: the params file is unreadable.
     """
     from paco.core.params.base import read_params_yaml
 
-    raw = read_params_yaml(params_file) or {}
-    node: Any = raw
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    default = (raw.get("resources") or {}).get("default") or {}
-    if not isinstance(node or {}, Mapping) or not isinstance(default, Mapping):
-        raise LaunchError(f"--resources {key}: {params_file} holds no resources mapping there")
-    return {**default, **(node or {})}
+    try:
+        return resources_at(read_params_yaml(params_file) or {}, key)
+    except LaunchError:
+        raise LaunchError(f"--resources {key}: {params_file} holds no resources mapping there") from None
 
 
 def judge_gpu_split(params_file: str, config: Mapping[str, Any], num_processes: int,

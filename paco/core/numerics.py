@@ -11,6 +11,7 @@ Why each variable (measured on the embedded default, torch 2.13, numpy 2.4):
   adjustment on, libgomp sizes each OpenMP region from the machine's load average and MKL picks
   its own count, so the same run gives different bytes on a busy machine (with
   ``OMP_DYNAMIC=true`` and a loaded CPU, reward_train's loss changes in its 3rd step).
+  How idle threads wait (:data:`DEFAULT_THREAD_ENV`) changes no result, only the time.
 * Code paths (:data:`FIXED_CPU_ISA_ENV`): every vectorised library picks a code path from the
   CPU's instruction set at run time, and the paths round differently:
 
@@ -57,6 +58,12 @@ from pathlib import Path
 #: OpenMP / MKL team sizes: never derived from the machine's load.
 FIXED_THREAD_ENV = {"OMP_DYNAMIC": "false", "MKL_DYNAMIC": "false"}
 
+#: Defaults kept where a variable is already set: idle OpenMP threads sleep instead of spinning,
+#: so processes that share the cores (a stage and its judge server, parallel test workers) do not
+#: take them from each other between small ops; how threads wait does not change how the work is
+#: split between them, so no result changes.
+DEFAULT_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
 #: numpy's dispatch targets above AVX2 (x86-64-v3): numpy >= 2.4 names them by
 #: micro-architecture level, earlier releases by feature group (``np.show_runtime()``).
 NUMPY_AVX512_TARGETS = {
@@ -82,6 +89,7 @@ READ_AT_LOAD = {
     "OPENBLAS_CORETYPE": ("numpy", "scipy"),
     "OMP_DYNAMIC": ("torch",),
     "MKL_DYNAMIC": ("torch",),
+    "OMP_WAIT_POLICY": ("torch",),
 }
 
 
@@ -127,10 +135,12 @@ def cpu_has_avx2(machine: str | None = None, cpuinfo: str | None = None) -> bool
 def fix_numerics_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """Set the variables a stage's bytes depend on in ``environ`` (default ``os.environ``):
     :data:`FIXED_THREAD_ENV` always, :func:`cpu_isa_env` where the CPU has AVX2 and the
-    variable is unset. Returns what it changed (a variable that already had its value is not
-    returned). Call it before numpy, scipy and torch are imported (see :func:`loaded_too_late`)."""
+    variable is unset; and :data:`DEFAULT_THREAD_ENV` where unset. Returns what it changed (a
+    variable that already had its value is not returned). Call it before numpy, scipy and torch
+    are imported (see :func:`loaded_too_late`)."""
     env = os.environ if environ is None else environ
     wanted = dict(FIXED_THREAD_ENV)
+    wanted.update({k: v for k, v in DEFAULT_THREAD_ENV.items() if k not in env})
     if cpu_has_avx2():
         wanted.update({k: v for k, v in cpu_isa_env().items() if k not in env})
     set_now = {k: v for k, v in wanted.items() if env.get(k) != v}

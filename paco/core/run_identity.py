@@ -41,6 +41,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from paco.core.dotted import get_dotted
+
 ABSENT = "absent"
 
 
@@ -84,15 +86,6 @@ def path_digest(path: str | os.PathLike[str]) -> str:
         if f.is_file() and not any(part.startswith(".") for part in rel.parts):
             entries.append([rel.as_posix(), file_sha256(f)])
     return _sha256_json(entries)
-
-
-def _get(tree: Any, dotted: str) -> Any:
-    node = tree
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def without_keys(tree: Any, dotted_keys: list[str]) -> Any:
@@ -228,7 +221,7 @@ def params_identity(member: StageMember, sections: Mapping[str, Any]) -> RunIden
     for k in stage.evaluation:
         key = m.resolve(k, {})
         section = next(s for s in sections if key.startswith(s + "."))
-        evaluation[key] = _sha256_json(_get(sections[section], key[len(section) + 1:]))
+        evaluation[key] = _sha256_json(get_dotted(sections[section], key[len(section) + 1:], None))
     return RunIdentity(m.dvc_name, parts, evaluation)
 
 
@@ -268,7 +261,7 @@ def stage_identity(member: StageMember, params_path: str | os.PathLike[str], *, 
         parts[f"dep:{path}"] = path_digest(actual.get(path, root / path))
     for code in m.stage.code:
         parts[f"code:{code}"] = path_digest(root / code)
-    sections = {m.resolve(k, {}): _get(tree, m.resolve(k, {})) for k in m.stage.params}
+    sections = {m.resolve(k, {}): get_dotted(tree, m.resolve(k, {}), None) for k in m.stage.params}
     from_params = params_identity(m, sections)
     return RunIdentity(m.dvc_name, {**parts, **from_params.parts}, from_params.evaluation)
 
@@ -276,7 +269,7 @@ def stage_identity(member: StageMember, params_path: str | os.PathLike[str], *, 
 def stage_identity_on_main(member: StageMember, args: Any, params: Any, accelerator: Any) -> RunIdentity:
     """:func:`stage_identity` computed by the main process only (hashing model directories once,
     not once per process) and broadcast to the others (``accelerate``)."""
-    from paco.core.stage import broadcast_from_main
+    from paco.core.distributed import broadcast_from_main
 
     identity = stage_identity(member, args.params, params=params, args=args) if accelerator.is_main_process else None
     return broadcast_from_main(accelerator, identity)

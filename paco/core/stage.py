@@ -81,18 +81,6 @@ def cpu_threads_per_process(local_processes: int) -> int:
     return max(1, cores // max(1, local_processes))
 
 
-def broadcast_from_main(accelerator: Any, obj: Any) -> Any:
-    """``obj`` of the main process, on every process (``accelerate``'s ``broadcast_object_list``;
-    with no accelerator or one process, ``obj`` itself)."""
-    if accelerator is None or accelerator.num_processes == 1:
-        return obj
-    from accelerate.utils import broadcast_object_list
-
-    box = [obj]
-    broadcast_object_list(box, from_process=0)
-    return box[0]
-
-
 def hub_offline() -> bool:
     """Whether this process runs with the Hugging Face hub off: ``huggingface_hub``'s
     ``HF_HUB_OFFLINE`` constant when the module is loaded (it reads the environment once, at
@@ -141,17 +129,25 @@ def peak_rss_mb() -> float:
 class StageOutput:
     """What a stage body returns: ``metrics`` (the stage's declared ``metrics.json``: the headline
     figures a user compares across runs with ``dvc metrics diff`` / ``dvc exp show``;
-    deterministic, so a cached run equals a fresh one) and ``report`` (the
+    deterministic, so a cached run equals a fresh one), ``report`` (the
     ``report.json`` beside it, a declared output but not metrics: timings, memory, resume
-    decisions, per-item details; not deterministic)."""
+    decisions, per-item details; not deterministic) and ``writes``: whether this process writes
+    them (``False`` on every process of a multi-process launch but the main one, which writes
+    the stage's outputs; :meth:`nothing`)."""
 
     metrics: dict[str, Any]
     report: dict[str, Any] = field(default_factory=dict)
+    writes: bool = True
 
     @classmethod
     def headline(cls, report: dict[str, Any], *keys: str) -> StageOutput:
         """``report`` whole in the report, its ``keys`` (top level) also as the metrics."""
         return cls({k: report[k] for k in keys if k in report}, report)
+
+    @classmethod
+    def nothing(cls) -> StageOutput:
+        """What a process that writes nothing returns (not the main process of the launch)."""
+        return cls({}, writes=False)
 
 
 #: errno values of OSErrors that are the user's environment, not a bug: one clear line, exit 2
@@ -183,8 +179,9 @@ def run(
 
     ``body(args, params)`` does the work and returns a :class:`StageOutput` (a plain dict is
     taken as the metrics); this writes ``metrics`` atomically to ``--metrics`` and ``report``
-    plus ``run.wall_seconds`` and ``run.peak_rss_mb`` to ``report.json`` beside it (a body sets
-    ``args.<metrics_arg> = None`` on non-main processes: nothing is written). The previous run's
+    plus ``run.wall_seconds`` and ``run.peak_rss_mb`` to ``report.json`` beside it, unless the
+    output says this process writes nothing (:attr:`StageOutput.writes`, false on every process
+    but the main one) or the stage has no ``--metrics``. The previous run's
     ``report.json`` (a declared output, :attr:`workflow.stage.Stage.reports`, but a stage run by
     hand has no engine to remove it) is removed first, by the main process (launcher ``RANK`` 0
     or unset), before params are read: a failed run leaves no report that looks like its own.
@@ -219,7 +216,7 @@ def run(
         report["run"] = {"wall_seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": round(peak_rss_mb(), 1),
                          **launch_info()}
         path = getattr(args, metrics_arg, None)
-        if path is not None:
+        if path is not None and out.writes:
             write_json(path, out.metrics)
             write_json(report_path(path), report)
     except (ParamsError, ArtifactError) as exc:

@@ -25,7 +25,7 @@ from paco.core import checkpoints as ckpt
 from paco.core.distributed import get_rng_state, set_rng_state
 from paco.core.io import write_json
 from paco.core.params import GrpoSubtaskParams
-from paco.core.stage import broadcast_from_main
+from paco.core.distributed import broadcast_from_main
 from paco.grpo.ema import swapped_weights
 from paco.grpo.monitors import select_evaluation
 from paco.grpo.plan import evaluation_epochs

@@ -201,10 +201,9 @@ def final_samples(cfg: FinalSamplesParams, prompts: pd.DataFrame, policy_dir: st
                 **{k: float(v[n]) for k, v in rewards.items() if k.startswith(("monitor_", "independent_"))},
                 "_pil": im,
             })
-    if accelerator is not None and accelerator.num_processes > 1:
-        from accelerate.utils import gather_object
+    from paco.core.distributed import gather_objects
 
-        rows = gather_object(rows)
+    rows = gather_objects(accelerator, rows)
     rows.sort(key=lambda r: r["order"])
     table = pd.DataFrame([{k: v for k, v in r.items() if k not in ("order", "_pil")} for r in rows])
     return table, _sheets(rows, infos, cfg), summarise(table, cfg.rewards)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from paco.core import checkpoints as ckpt
-from paco.core.stage import broadcast_from_main
+from paco.core.distributed import broadcast_from_main
 from paco.judge.run import RewardRun, RewardState
 
 # the judge training's logger (its checkpoint lines read as the training's)

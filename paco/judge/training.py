@@ -183,10 +183,7 @@ def evaluate(model: Any, processor: Any, rows: Sequence[SftRow], cfg: RewardTrai
             per_row.append((j, float(loss), float(correct[k]), float(p_yes[k])))
     if was_training:
         model.train()
-    if accelerator.num_processes > 1:
-        from accelerate.utils import gather_object
-
-        per_row = gather_object(per_row)
+    per_row = distributed.gather_objects(accelerator, per_row)
     per_row.sort()
     if not per_row:
         return {"pairs": 0}
@@ -219,7 +216,6 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
         step's global batch, a LoRA target name matching nothing, an accelerator whose
         accumulation differs from ``cfg``.
     """
-    from accelerate.utils import set_seed
     from transformers import get_scheduler
 
     from paco.models.loading import load_judge
@@ -244,7 +240,7 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
     total_steps = steps_per_epoch * cfg.epochs
     warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
 
-    set_seed(cfg.seed)
+    distributed.set_seed(cfg.seed)
     on_gpu = accelerator.device.type == "cuda"
     dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" and on_gpu) else torch.float32
     model, processor = load_judge(base_dir, dtype=dtype)

@@ -110,11 +110,11 @@ class JudgeEndpoint:
                     raise
                 error = str(exc)  # told to every process below, so none waits forever
         if self._accelerator.num_processes > 1:
-            from accelerate.utils import gather_object
+            from paco.core.distributed import gather_objects
 
             acc = self._accelerator
             node = acc.process_index - acc.local_process_index  # the global index of this node's local main
-            entries = gather_object([(node, self._url, error)])
+            entries = gather_objects(acc, [(node, self._url, error)])
             errors = [e for _, _, e in entries if e is not None]
             if errors:
                 raise JudgeError(errors[0])

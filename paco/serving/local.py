@@ -52,10 +52,10 @@ RUN_DIR_PREFIX = "paco-serve-"
 def server_env(base_env: Mapping[str, str], visible_devices: str | None = None) -> dict[str, str]:
     """The environment of a local server: a copy of ``base_env`` with
 
-    - ``OMP_WAIT_POLICY=PASSIVE`` unless set (OpenMP threads busy-waiting between the server's small
-      forward passes would steal the cores the trainer needs, and the other way round);
     - the fixed numerics variables (:func:`paco.core.numerics.fix_numerics_env`): scores must not
-      depend on the machine's load or CPU model;
+      depend on the machine's load or CPU model; and ``OMP_WAIT_POLICY=PASSIVE`` unless set (OpenMP
+      threads busy-waiting between the server's small forward passes would take the cores the
+      trainer needs, and the other way round);
     - no ``PACO_JUDGE_API_KEY`` (a key set to reach some remote judge is not this loopback server's,
       which would then refuse its own stage's requests);
     - none of the stage's launch variables (:data:`LAUNCH_VARIABLES`, names starting with
@@ -64,7 +64,6 @@ def server_env(base_env: Mapping[str, str], visible_devices: str | None = None) 
       indices or UUIDs, ``PACO_JUDGE_DEVICES``); otherwise the caller's own.
     """
     env = {k: v for k, v in base_env.items() if k not in LAUNCH_VARIABLES and not k.startswith(LAUNCH_PREFIXES)}
-    env["OMP_WAIT_POLICY"] = base_env.get("OMP_WAIT_POLICY", "PASSIVE")
     fix_numerics_env(env)
     env.pop("PACO_JUDGE_API_KEY", None)
     if visible_devices is not None:
