@@ -3,6 +3,7 @@ process, and RNG states that restore every global stream."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -50,3 +51,22 @@ def test_accelerates_collectives_are_called_through_these_helpers_only():
              for path in sorted((ROOT / top).rglob("*.py")) if path != ROOT / "paco/core/distributed.py"
              for n, line in enumerate(path.read_text().splitlines(), 1) if "accelerate.utils" in line]
     assert found == []
+
+
+def test_torch_threads_per_process_follow_the_env_else_the_cores_over_the_processes(monkeypatch):
+    import torch
+
+    from paco.core.numerics import cpu_threads_per_process, set_torch_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("PACO_NUM_THREADS", "3")
+        assert cpu_threads_per_process(8) == 3
+        assert set_torch_cpu_threads(8) == 3 and torch.get_num_threads() == 3
+        monkeypatch.delenv("PACO_NUM_THREADS")
+        cores = len(os.sched_getaffinity(0))
+        assert cpu_threads_per_process(1) == cores
+        assert cpu_threads_per_process(cores + 1) == 1  # at least one thread
+        assert cpu_threads_per_process(2) == max(1, cores // 2)
+    finally:
+        torch.set_num_threads(before)

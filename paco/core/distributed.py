@@ -66,7 +66,7 @@ class Processes:
 
 
 def _set_cpu_threads(local_processes: int) -> None:
-    """Torch threads on CPU: :func:`paco.core.stage.cpu_threads_per_process` (``$PACO_NUM_THREADS``,
+    """Torch threads on CPU: :func:`paco.core.numerics.cpu_threads_per_process` (``$PACO_NUM_THREADS``,
     else the cores over the node's processes), as the training stages do. CPU kernels may round
     differently with another thread count (CLIP image features by 2e-7 seen), so byte-identical
     results across process counts need the same threads per process: ``PACO_NUM_THREADS``."""
@@ -74,10 +74,10 @@ def _set_cpu_threads(local_processes: int) -> None:
         return  # torch's own default: every core
     import torch
 
-    from paco.core.stage import cpu_threads_per_process
+    from paco.core.numerics import set_torch_cpu_threads
 
     if not torch.cuda.is_available():
-        torch.set_num_threads(cpu_threads_per_process(local_processes))
+        set_torch_cpu_threads(local_processes)
 
 
 def launched_processes() -> Processes:

@@ -72,7 +72,7 @@ from typing import Any, Mapping
 import yaml
 
 from paco.core.dotted import get_dotted
-from paco.core.numerics import fix_numerics_env
+from paco.core.numerics import fix_numerics_env, set_default_omp_threads
 
 #: accelerate config ``distributed_type`` values whose one local process is a plain process.
 PLAIN_DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU")
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os.execv(sys.executable, [*command, "-m", module, *stage_args])
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(accelerate_omp_threads(config, args.num_processes)))
+    set_default_omp_threads(accelerate_omp_threads(config, args.num_processes))
     sys.argv = [module, *stage_args]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -43,7 +43,7 @@ Why each variable (measured on the embedded default, torch 2.13, numpy 2.4):
   ``report.json`` (``run.threads``, ``run.numerics``).
 
 The bytes still depend on the torch threads per process (``PACO_NUM_THREADS`` or the cores,
-:func:`paco.core.stage.cpu_threads_per_process`), which every trainer's run identity records,
+:func:`cpu_threads_per_process`), which every trainer's run identity records,
 and on the library versions.
 """
 
@@ -190,3 +190,37 @@ def numerics_info() -> dict[str, object]:
     if torch is not None:
         info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return info
+
+
+def cpu_threads_per_process(local_processes: int) -> int:
+    """Torch threads per process on CPU: ``$PACO_NUM_THREADS`` if set, else the cores this
+    process may run on (``sched_getaffinity``, which honours cgroups/SLURM binding) divided by
+    the processes on this node, at least 1. Launchers' ``OMP_NUM_THREADS`` is not trusted:
+    torchrun sets it to 1 for every multi-process run."""
+    env = os.environ.get("PACO_NUM_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_processes))
+
+
+
+def set_torch_cpu_threads(local_processes: int) -> int:
+    """Set torch's intra-op threads to :func:`cpu_threads_per_process` and return that count.
+    CPU kernels may round differently with another thread count, so the threads a process gets
+    are part of its bytes (every trainer's run identity records them)."""
+    import torch
+
+    threads = cpu_threads_per_process(local_processes)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def set_default_omp_threads(threads: int) -> None:
+    """``OMP_NUM_THREADS=threads`` unless the environment already sets it: libgomp's team size
+    for threads other than torch's intra-op pool (a launcher's value, e.g. what ``accelerate
+    launch`` would give, :func:`paco.core.launch.accelerate_omp_threads`)."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(int(threads)))

@@ -66,21 +66,6 @@ def seed_everything(seed: int) -> None:
         torch.manual_seed(seed)
 
 
-def cpu_threads_per_process(local_processes: int) -> int:
-    """Torch threads per process on CPU: ``$PACO_NUM_THREADS`` if set, else the cores this
-    process may run on (``sched_getaffinity``, which honours cgroups/SLURM binding) divided by
-    the processes on this node, at least 1. Launchers' ``OMP_NUM_THREADS`` is not trusted:
-    torchrun sets it to 1 for every multi-process run."""
-    env = os.environ.get("PACO_NUM_THREADS")
-    if env:
-        return max(1, int(env))
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_processes))
-
-
 def hub_offline() -> bool:
     """Whether this process runs with the Hugging Face hub off: ``huggingface_hub``'s
     ``HF_HUB_OFFLINE`` constant when the module is loaded (it reads the environment once, at

@@ -84,6 +84,7 @@ from paco.core import host_independent
 from paco.core.distributed import gather_objects, sum_gradients, wait_for_everyone
 from paco.core.params import GrpoSubtaskParams, ParamsError
 from paco.core.run_identity import RunIdentity, launch_parts
+from paco.core.numerics import set_torch_cpu_threads
 from paco.core.seeding import stable_seed
 from paco.grpo.advantages import aggregate, weighted_sum
 from paco.grpo.checkpointing import resume, save, save_final
@@ -271,13 +272,11 @@ def setup(cfg: GrpoSubtaskParams, prompts: pd.DataFrame, policy_dir: str | os.Pa
         paco.core.params.ParamsError: a split without prompts, too few prompts for ``prompts_per_epoch`` or too few
             trajectories for the gradient steps.
     """
-    from paco.core.stage import cpu_threads_per_process
-
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        set_torch_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     identity = identity.extended(**launch_parts(world, device.type))
 
     prompts, infos = subtask_items(prompts, cfg.dataset)

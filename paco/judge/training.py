@@ -76,7 +76,7 @@ from paco.core import checkpoints as ckpt
 from paco.core import distributed, host_independent
 from paco.core.params import RewardTrainParams
 from paco.core.run_identity import RunIdentity, launch_parts
-from paco.core.stage import cpu_threads_per_process
+from paco.core.numerics import set_torch_cpu_threads
 from paco.judge.batch_plan import distributed_loss_scale, epoch_plan, shard
 from paco.judge.checkpointing import LoraStateHooks, resume, save_adapter, save_checkpoint
 from paco.judge.lora import apply_lora, language_model_prefix, parameter_counts
@@ -225,7 +225,7 @@ def setup(cfg: RewardTrainParams, sft: str | os.PathLike[str] | pd.DataFrame, ba
                          f"but cfg.gradient_accumulation_steps={cfg.gradient_accumulation_steps}")
     world, main = accelerator.num_processes, accelerator.is_main_process
     if accelerator.device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        set_torch_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     train_all = load_sft_rows(sft, "train")
     train_rows = subsample(train_all, cfg.max_train_pairs, cfg.seed)
     test_rows = subsample(load_sft_rows(sft, "test"), cfg.max_test_pairs, cfg.seed)
