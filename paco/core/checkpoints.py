@@ -161,6 +161,7 @@ def write_checkpoint(checkpoints_dir: str | os.PathLike[str], name: str, state: 
     wait_for_everyone(accelerator)
     return target
 
+
 @dataclass(frozen=True)
 class Resume:
     """What :func:`find_resumable` found: the checkpoint to resume (``path``, ``state``; both
