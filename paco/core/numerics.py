@@ -207,7 +207,6 @@ def cpu_threads_per_process(local_processes: int) -> int:
     return max(1, cores // max(1, local_processes))
 
 
-
 def set_torch_cpu_threads(local_processes: int) -> int:
     """Set torch's intra-op threads to :func:`cpu_threads_per_process` and return that count.
     CPU kernels may round differently with another thread count, so the threads a process gets

@@ -22,10 +22,9 @@ from typing import Any
 import torch
 
 from paco.core import checkpoints as ckpt
-from paco.core.distributed import get_rng_state, set_rng_state
+from paco.core.distributed import broadcast_from_main, get_rng_state, set_rng_state
 from paco.core.io import write_json
 from paco.core.params import GrpoSubtaskParams
-from paco.core.distributed import broadcast_from_main
 from paco.grpo.ema import swapped_weights
 from paco.grpo.monitors import select_evaluation
 from paco.grpo.plan import evaluation_epochs

@@ -82,9 +82,9 @@ import torch
 
 from paco.core import host_independent
 from paco.core.distributed import gather_objects, sum_gradients, wait_for_everyone
+from paco.core.numerics import set_torch_cpu_threads
 from paco.core.params import GrpoSubtaskParams, ParamsError
 from paco.core.run_identity import RunIdentity, launch_parts
-from paco.core.numerics import set_torch_cpu_threads
 from paco.core.seeding import stable_seed
 from paco.grpo.advantages import aggregate, weighted_sum
 from paco.grpo.checkpointing import resume, save, save_final
