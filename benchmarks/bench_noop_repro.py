@@ -8,8 +8,8 @@ Prints the median and min/max seconds; fails if the pipeline is not up to date (
 ``--breakdown`` also runs one `dvc repro` in this process with DVC's steps timed, to show where a
 no-op's time goes: the params file parsed once per stage, one ``dpath`` lookup of the params tree
 per tracked key, ``dvc.lock`` loaded (twice: once for the targets, once for the index), each
-dependency's status (the code files of every stage's import closure among them), and what is
-left (Python and DVC's imports, the graph).
+dependency's status (one code digest per stage, and the ``code`` stage's ``paco`` and ``stages``
+directories), and what is left (Python and DVC's imports, the graph).
 """
 
 from __future__ import annotations

@@ -42,11 +42,12 @@ def dvc_repo(tmp_path_factory) -> tuple[Path, str]:
 
 
 def test_dvc_repro_runs_every_stage(dvc_repo):
+    from workflow.code_digests import CODE_STAGE
     from workflow.registry import STAGES
 
     repo, out = dvc_repo
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    assert sorted(ran_stages(out)) == sorted(m.dvc_name for s in STAGES for m in s.members(params))
+    assert sorted(ran_stages(out)) == sorted([CODE_STAGE] + [m.dvc_name for s in STAGES for m in s.members(params)])
     for table in TABLES:
         assert (repo / table).is_file(), table
     pairs = report(repo, "pairs")
@@ -356,6 +357,32 @@ def test_a_param_change_puts_only_its_stages_and_descendants_out_of_date(dvc_rep
                           text=True, timeout=300)
     assert proc.returncode != 0 and "reward_trian: Extra inputs are not permitted" in proc.stdout + proc.stderr
     (repo / "params.yaml").write_text(original)
+
+
+def test_a_code_edit_puts_only_the_stages_that_import_it_out_of_date(dvc_repo, dvc_repro_noop):
+    """With real DVC: after an edit of one module, the code stage rewrites the digests, and
+    exactly the stages whose import closure holds the module are out of date; undoing the edit
+    brings back the digests' bytes, and nothing is out of date."""
+    from workflow.code_digests import CODE_STAGE
+    from workflow.registry import STAGES
+
+    repo, _ = dvc_repo
+    edited = repo / "paco/data/photos.py"
+    original = edited.read_text()
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    importers = {m.dvc_name for s in STAGES if "paco/data/photos.py" in s.code for m in s.members(params)}
+    assert importers and importers != {m.dvc_name for s in STAGES for m in s.members(params)}
+    try:
+        edited.write_text(original + "\n# an edit\n")
+        status = sh([sys.executable, "-m", "dvc", "status", "--json"], repo)
+        assert set(json.loads(status[status.index("{"):])) == {CODE_STAGE}
+        assert ran_stages(sh([sys.executable, "-m", "dvc", "repro", "--single-item", CODE_STAGE], repo)) == [CODE_STAGE]
+        status = sh([sys.executable, "-m", "dvc", "status", "--json"], repo)
+        assert set(json.loads(status[status.index("{"):])) == importers
+    finally:
+        edited.write_text(original)
+    assert ran_stages(sh([sys.executable, "-m", "dvc", "repro", "--single-item", CODE_STAGE], repo)) == [CODE_STAGE]
+    assert "up to date" in sh([sys.executable, "-m", "dvc", "status"], repo)
 
 
 def test_snakemake_runs_the_same_stages_with_identical_outputs(dvc_repo, tmp_path):

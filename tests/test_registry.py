@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from workflow import code_deps, registry
+from workflow.code_digests import CODE_STAGE
 from workflow.stage import interpolate, model_roles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,15 +25,17 @@ def test_committed_dvc_yaml_is_the_rendered_registry():
 
 def test_importing_the_registry_reads_no_source_file():
     """The code closures are derived when asked (a stage process imports the registry for its own
-    member): importing it parses none of the project's files; params_check's code is still every
-    stage's closure, and its own."""
-    probe = ("import ast; parsed = []; parse = ast.parse\n"
-             "ast.parse = lambda *a, **k: (parsed.append(1), parse(*a, **k))[1]\n"
-             "import workflow.registry as r; n = len(parsed)\n"
-             "union = set().union(*(s.code for s in r.STAGES))\n"
-             "print(n, set(r.by_name('params_check').code) == union, len(parsed) > 0)")
+    member): importing it, or rendering dvc.yaml, parses none of the project's files and imports
+    neither pandas nor torch; asking for a closure does parse."""
+    probe = ("import sys; import workflow.code_deps as c; parsed = []\n"
+             "for name in ('_project_imports', '_lazy_exports'):\n"
+             "    f = getattr(c, name); setattr(c, name, lambda p, f=f: (parsed.append(p), f(p))[1])\n"
+             "import workflow.registry as r; r.dump_dvc(); n = len(parsed)\n"
+             "heavy = sorted({'pandas', 'torch'} & set(sys.modules))\n"
+             "r.by_name('grpo').code\n"
+             "print(n, heavy, len(parsed) > 0)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["0", "True", "True"], out
+    assert out.split() == ["0", "[]", "True"], out
 
 
 def test_every_stage_declares_existing_code_and_params_sections():
@@ -120,13 +123,15 @@ def test_interpolate_is_strict():
         interpolate("${a.c}", {"a": {"b": 3}})
 
 
-def _dvc_edges(root: Path = ROOT) -> set[tuple[str, str]]:
+def _dvc_edges(root: Path = ROOT, *, code_stage: bool = False) -> set[tuple[str, str]]:
+    """``dvc dag``'s edges, by Snakemake's rule names; those of DVC's code stage only with
+    ``code_stage`` (Snakemake has no such rule: its rules list the code files themselves)."""
     out = subprocess.run(
         [sys.executable, "-m", "dvc", "dag", "--dot"], cwd=root, capture_output=True, text=True, check=True
     ).stdout
     # foreach members are grpo@t2is in DVC and rule grpo_t2is in Snakemake
     edges = re.findall(r'"?([\w@.-]+)"?\s*->\s*"?([\w@.-]+)"?', out)
-    return {(a.replace("@", "_"), b.replace("@", "_")) for a, b in edges}
+    return {(a.replace("@", "_"), b.replace("@", "_")) for a, b in edges if code_stage or a != CODE_STAGE}
 
 
 def _snakemake_edges(root: Path = ROOT) -> set[tuple[str, str]]:
@@ -140,11 +145,14 @@ def _snakemake_edges(root: Path = ROOT) -> set[tuple[str, str]]:
 
 
 def test_dvc_and_snakemake_have_the_same_edges():
-    dvc, smk = _dvc_edges(), _snakemake_edges()
-    assert dvc, "dvc dag printed no edges"
-    assert dvc == smk
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     names = {m.rule_name for s in registry.STAGES for m in s.members(params)}
+    dvc, smk = _dvc_edges(code_stage=True), _snakemake_edges()
+    assert dvc, "dvc dag printed no edges"
+    # DVC's code stage (its digest files stand for each stage's code) precedes every stage
+    assert {b for a, b in dvc if a == CODE_STAGE} == names and not {a for a, b in dvc if b == CODE_STAGE}
+    dvc = {(a, b) for a, b in dvc if a != CODE_STAGE}
+    assert dvc == smk
     # every stage is on an edge but params_check, which stands alone (it only validates the file)
     assert {n for e in dvc for n in e} == names - {"params_check"}
     assert {"grpo_t2is", "final_samples_t2is", "grpo_kontext_editing", "final_samples_kontext_editing"} <= names
@@ -500,8 +508,8 @@ def test_local_model_directories_are_dependencies_of_models():
                         "policy_t2is": "black-forest-labs/FLUX.1-dev", "pickscore": "tiny:clip",
                         "policy_kontext": "tiny:flux_kontext", "policy_qwen_edit": "Qwen/Qwen-Image-Edit",
                         "processor_from": {"clip": "/abs/processor_dir"}}
-    def data_deps(cfg):  # the stage's code files are deps too
-        return sorted(d for d in render_dvc(cfg)["stages"]["models"]["deps"] if not d.endswith(".py"))
+    def data_deps(cfg):  # the stage's code digest is a dep too
+        return sorted(d for d in render_dvc(cfg)["stages"]["models"]["deps"] if d != "data/code/models.json")
 
     assert data_deps(config) == ["./my/judge", "/abs/processor_dir", "data/raw/pretrained/clip"]
     # the embedded default's pretrained CLIP, FLUX.1 and Qwen-Image-Edit policies

@@ -3,7 +3,9 @@
 Each :class:`~workflow.stage.Stage` names its command, data dependencies, code dependencies
 (:mod:`workflow.code_deps`), params sections, outputs and metrics. :func:`render_dvc` turns the
 registry into ``dvc.yaml`` (committed; a test checks it equals the rendering), and the
-``Snakefile`` defines one rule per stage from the same objects. :func:`member` gives a stage
+``Snakefile`` defines one rule per stage from the same objects. The engines track code apart:
+a Snakemake rule lists its closure's files, a DVC stage its digest file, written by DVC's own
+``code`` stage (:mod:`workflow.code_digests`). :func:`member` gives a stage
 member to the code that computes its run identity (:mod:`paco.core.run_identity`). Both engines run the identical command line: ``${a.b}`` placeholders are params values,
 interpolated by DVC from ``params.yaml`` and by the Snakefile from its ``configfile``.
 
@@ -30,6 +32,7 @@ from typing import Any
 import yaml
 
 from workflow.code_deps import ROOT
+from workflow.code_digests import CODE_STAGE, REGISTRY_MODULES, code_stage, digest_path
 from workflow.stage import MODELS_SETTINGS, PARAMS_FILE, Dep, Member, Stage
 
 
@@ -362,18 +365,16 @@ STAGES += (
 )
 
 
-# params_check validates params.yaml and checks that dvc.yaml is the rendering for it: that
-# rendering holds every stage's code closure, so every project source file is its dependency
+# params_check validates params.yaml and checks that dvc.yaml is the rendering for it
 STAGES += (
     Stage(
         name="params_check",
         args=(("--out", _d("params_check", "params.json")), ("--dvc-yaml", "dvc.yaml")),
         # the whole params file is its params (any edit reruns it); it also reads dvc.yaml, which
-        # DVC refuses as a dependency: the rendering changes only with the params, the registry
-        # (its modules here) or the code
+        # DVC refuses as a dependency: the rendering changes only with the params or the registry
+        # (its modules here)
         whole_params_file=True,
-        deps=("workflow/registry.py", "workflow/stage.py", "workflow/code_deps.py"),
-        code_of=tuple(sorted({e for s in STAGES for e in s.entries})),
+        deps=REGISTRY_MODULES,
         outs=(_d("params_check", "params.json"),),
     ),
 )
@@ -454,9 +455,10 @@ def render_dvc(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``dvc.yaml`` document for the registry under ``config`` (default: ``params.yaml``),
     which decides the params-dependent deps (:class:`Dep`)."""
     config = load_config() if config is None else config
-    stages: dict[str, Any] = {}
+    # the code stage first: every stage depends on its digest file, not on its closure's files
+    stages: dict[str, Any] = {CODE_STAGE: code_stage(STAGES)}
     for s in STAGES:
-        entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.active_deps(config)) + list(s.code),
+        entry: dict[str, Any] = {"cmd": s.cmd, "deps": list(s.active_deps(config)) + [digest_path(s)],
                                  "params": [{PARAMS_FILE: None}] if s.whole_params_file else s.params_entries(config)}
         entry["outs"] = (list(s.active_out_dirs(config)) + list(s.outs) + list(s.reports)
                          + [{p: {"persist": True}} for p in s.persist])

@@ -141,14 +141,11 @@ class Stage:
             so a per-member dict of paths cannot be rendered): literal paths, rendered into
             ``dvc.yaml`` for the params file at hand (as :class:`Dep`), every member depending
             on all of them (``benchmark``: every self-served evaluator's model directory).
-        code_of: entry files of other stages (their :attr:`entries`) whose import closures the
-            stage reads as files, so they are its code too (``params_check``: it checks the
-            rendering of every stage's code closure in ``dvc.yaml``).
 
     ``code`` is derived, not declared: :func:`code_closure` of the stage's :attr:`entries` (its module
     ``stages/<module>.py``, its subprocesses and its launcher, and every project module they import,
-    transitively) and of its :attr:`code_of`, so editing any module a stage runs reruns it in both
-    engines and changes its run identity.
+    transitively), so editing any module a stage runs reruns it in both engines (DVC through the
+    stage's digest file, :mod:`workflow.code_digests`) and changes its run identity.
     """
 
     name: str
@@ -172,7 +169,6 @@ class Stage:
     whole_params_file: bool = False
     downloads: bool = False
     config_deps: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
-    code_of: tuple[str, ...] = ()
 
     @property
     def entries(self) -> tuple[str, ...]:
@@ -183,10 +179,9 @@ class Stage:
 
     @property
     def code(self) -> tuple[str, ...]:
-        """Project source files the stage runs or reads (:func:`code_closure` of its
-        :attr:`entries` and of :attr:`code_of`), sorted. Computed when asked: importing the
-        registry parses no source file."""
-        return tuple(sorted({f for e in (*self.entries, *self.code_of) for f in code_closure(e)}))
+        """Project source files the stage runs (:func:`code_closure` of its :attr:`entries`),
+        sorted. Computed when asked: importing the registry parses no source file."""
+        return tuple(sorted({f for e in self.entries for f in code_closure(e)}))
 
     @property
     def resources_block(self) -> str:
