@@ -1,5 +1,7 @@
 # The PaCo pipeline for Snakemake: the same DAG and the identical commands as dvc.yaml, both
 # generated from workflow/registry.py (one registry, two engines). Params come from params.yaml.
+# A rule's inputs hold its code files themselves; DVC's stages depend on digests of them instead,
+# written by a `code` stage of DVC's own (workflow/code_digests.py).
 #
 #   snakemake --cores 2                                   # local
 #   snakemake --profile workflow/profiles/slurm           # SLURM (executor plugin)
