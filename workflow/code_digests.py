@@ -3,11 +3,11 @@ of every file of the stage's import closure (:attr:`workflow.stage.Stage.code`).
 
 Each stage of ``dvc.yaml`` depends on its digest file instead of listing its closure file by file,
 and the ``code`` stage depends on the ``paco`` and ``stages`` directories (and the registry
-modules that decide the closures). Editing a module reruns ``code`` (about a second), which
+modules that decide the closures). Editing a module reruns ``code``, which
 rewrites every digest file; DVC then reruns exactly the stages whose digest bytes changed, the
 stages whose closure holds the module, as listing the files would. The closures are computed
 when ``code`` runs, so an added import is tracked without regenerating ``dvc.yaml``, and DVC
-checks one dependency per stage instead of some 970 files on every ``dvc repro``.
+checks one dependency per stage instead of every file of every closure on each ``dvc repro``.
 
 Snakemake keeps the closure files themselves as each rule's inputs (``Snakefile``): its
 modification-time check would rerun every stage after a rewrite of the digest files.
