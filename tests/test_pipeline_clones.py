@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from pipeline_helpers import ROOT, artifacts, clone, md5, ran_stages, set_param, sh, subprocess_env
+from workflow.code_digests import CODE_STAGE
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def test_the_run_cache_restores_the_report_of_the_outputs_it_restores(tmp_path):
     committed = (repo / "params.yaml").read_text()
     parquet, rep = repo / "data/prompts/prompts.parquet", repo / "data/prompts/report.json"
     dvc = [sys.executable, "-m", "dvc", "repro", "prompts"]
-    assert ran_stages(sh(dvc, repo)) == ["code", "prompts"]  # DVC's code stage first
+    assert ran_stages(sh(dvc, repo)) == [CODE_STAGE, "prompts"]  # DVC's code stage first
     first = {"table": md5(parquet), "report": rep.read_bytes()}
     set_param(repo, "prompts", "seed", yaml.safe_load(committed)["prompts"]["seed"] + 1)
     assert ran_stages(sh(dvc, repo)) == ["prompts"]
